@@ -1,0 +1,172 @@
+"""Backend selection: which device, dtype, attention and cache geometry to use, and why.
+
+`select_backend(config, facts)` is a pure function of the user's configuration and the facts about the machine
+(`DeviceFacts`), so every branch is unit-tested without the hardware. `probe_device_facts()` reads the facts from
+torch and transformers; it is the only function here that imports them.
+
+The rules (each decision carries its reason, logged at startup like `transformers serve` does):
+- CUDA: bf16 where the GPU supports it, else fp16; attention `sdpa`, which transformers' continuous batching
+  switches to flash attention itself when flash-attn or a kernels flash build is usable; else our per-request
+  `cbs_varlen` path when no flash path exists (see engine.attention).
+- MPS: fp16; `kernels-community/metal-flash-sdpa` when transformers reports `kernels` usable, else the
+  per-request path with the reason (kernels missing, or too old for this transformers); page size 32 (256 is ~17x
+  slower on MPS, transformers PR #46792).
+- CPU: fp32, the per-request path, explicit cache size and 512 batch tokens (the 8192 default can crash the loop).
+- An explicit `--attn-implementation` (or dtype, device) always wins.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+from .config import EngineConfig
+
+logger = logging.getLogger(__name__)
+
+METAL_FLASH_KERNEL = "kernels-community/metal-flash-sdpa"
+PER_REQUEST_ATTENTION = "cbs_varlen"
+GIB = 1024**3
+
+
+@dataclass(frozen=True)
+class DeviceFacts:
+    """What the machine offers, as far as backend selection cares."""
+
+    cuda_available: bool = False
+    cuda_device_name: str | None = None
+    cuda_bf16_supported: bool = False
+    cuda_free_bytes: int = 0
+    mps_available: bool = False
+    flash_attn_available: bool = False  # flash-attn 2/3 importable, or a kernels flash build usable
+    kernels_installed: str | None = None  # version of the `kernels` package, None when not installed
+    kernels_required: str = "0.18.2"  # the minimum this transformers accepts
+    kernels_usable: bool = False  # transformers' is_kernels_available()
+    ram_available_bytes: int = 8 * GIB
+
+
+@dataclass(frozen=True)
+class BackendChoice:
+    """The decision, with one human-readable reason per choice."""
+
+    device: str
+    dtype: str
+    attn_implementation: str
+    page_size: int
+    max_batch_tokens: int
+    kv_cache_bytes: int | None  # None: size from free device memory after the model loads (CUDA)
+    kv_cache_fraction: float  # share of free memory for the cache when kv_cache_bytes is None
+    max_batch_inflight: int
+    reasons: dict[str, str] = field(default_factory=dict)
+
+    def summary(self) -> str:
+        """The startup line: what was chosen, why, and how to opt out."""
+        parts = [f"device={self.device} ({self.reasons.get('device', '')})",
+                 f"dtype={self.dtype} ({self.reasons.get('dtype', '')})",
+                 f"attention={self.attn_implementation} ({self.reasons.get('attention', '')})"]
+        return "Backend: " + "; ".join(parts)
+
+
+def _choose_device(config: EngineConfig, facts: DeviceFacts) -> tuple[str, str]:
+    if config.device != "auto":
+        if config.device.startswith("cuda") and not facts.cuda_available:
+            raise ValueError(f"device={config.device!r} was asked for but no CUDA device is visible; "
+                             "use --device cpu or --device auto")
+        if config.device == "mps" and not facts.mps_available:
+            raise ValueError("device='mps' was asked for but Apple's Metal backend is not available; "
+                             "use --device cpu or --device auto")
+        return config.device, "asked for with --device"
+    if facts.cuda_available:
+        return "cuda", f"CUDA GPU found ({facts.cuda_device_name or 'unknown'})"
+    if facts.mps_available:
+        return "mps", "Apple Silicon GPU (Metal) found"
+    return "cpu", "no GPU found"
+
+
+def _choose_dtype(config: EngineConfig, facts: DeviceFacts, device: str) -> tuple[str, str]:
+    if config.dtype != "auto":
+        return config.dtype, "asked for with --dtype"
+    if device.startswith("cuda"):
+        if facts.cuda_bf16_supported:
+            return "bfloat16", "the GPU supports bf16"
+        return "float16", "the GPU has no bf16 support"
+    if device == "mps":
+        return "float16", "fp16 is the fast path on Metal"
+    return "float32", "CPU matmuls are fastest and exact in fp32"
+
+
+def _kernels_reason(facts: DeviceFacts) -> str:
+    if facts.kernels_installed is None:
+        return "the `kernels` package is not installed (pip install 'kernels>=%s')" % facts.kernels_required
+    return (f"kernels {facts.kernels_installed} is too old for this transformers "
+            f"(needs >= {facts.kernels_required})")
+
+
+def _choose_attention(config: EngineConfig, facts: DeviceFacts, device: str) -> tuple[str, str]:
+    if config.attn_implementation != "auto":
+        return config.attn_implementation, "asked for with --attn-implementation"
+    if device.startswith("cuda"):
+        if facts.flash_attn_available:
+            return "sdpa", "flash attention is usable: continuous batching switches sdpa to it by itself"
+        return "sdpa", "no flash attention installed: transformers' paged sdpa"
+    if device == "mps":
+        if facts.kernels_usable:
+            return METAL_FLASH_KERNEL, "Metal flash kernel served by `kernels` (opt out: --attn-implementation sdpa)"
+        return "sdpa", f"Metal flash kernel unavailable: {_kernels_reason(facts)}"
+    return "sdpa", "CPU: transformers' paged sdpa"
+
+
+def select_backend(config: EngineConfig, facts: DeviceFacts) -> BackendChoice:
+    """Decide device, dtype, attention and cache geometry from the config and the machine's facts."""
+    device, device_reason = _choose_device(config, facts)
+    dtype, dtype_reason = _choose_dtype(config, facts, device)
+    attention, attention_reason = _choose_attention(config, facts, device)
+    on_cuda = device.startswith("cuda")
+    page_size = config.page_size or (256 if on_cuda else 32)
+    max_batch_tokens = config.max_batch_tokens or (2048 if on_cuda else 1024 if device == "mps" else 512)
+    if config.kv_cache_gib is not None:
+        kv_bytes: int | None = int(config.kv_cache_gib * GIB)
+        cache_reason = f"{config.kv_cache_gib:g} GiB asked for with --kv-cache-gib"
+    elif on_cuda:
+        kv_bytes = None
+        cache_reason = "half of the GPU memory left free once the model is loaded"
+    else:
+        # CPU and MPS share RAM with everything else: a fifth of what is available, at most 4 GiB.
+        kv_bytes = int(min(4 * GIB, max(facts.ram_available_bytes, GIB) * 0.2))
+        cache_reason = f"{kv_bytes / GIB:.2f} GiB: a fifth of available RAM, capped at 4 GiB"
+    inflight = config.max_batch_inflight or (256 if on_cuda else 64)
+    reasons = {"device": device_reason, "dtype": dtype_reason, "attention": attention_reason, "kv_cache": cache_reason}
+    return BackendChoice(device=device, dtype=dtype, attn_implementation=attention, page_size=page_size,
+                         max_batch_tokens=max_batch_tokens, kv_cache_bytes=kv_bytes, kv_cache_fraction=0.5,
+                         max_batch_inflight=inflight, reasons=reasons)
+
+
+def probe_device_facts() -> DeviceFacts:
+    """Read the machine's facts from torch, transformers and psutil."""
+    import importlib.metadata
+
+    import psutil
+    import torch
+    from transformers.utils import import_utils
+
+    cuda = torch.cuda.is_available()
+    flash = False
+    if cuda:
+        flash = bool(import_utils.is_flash_attn_3_available() or import_utils.is_flash_attn_2_available())
+    try:
+        kernels_version: str | None = importlib.metadata.version("kernels")
+    except importlib.metadata.PackageNotFoundError:
+        kernels_version = None
+    mps = bool(getattr(torch.backends, "mps", None) and torch.backends.mps.is_available())
+    return DeviceFacts(
+        cuda_available=cuda,
+        cuda_device_name=torch.cuda.get_device_name(0) if cuda else None,
+        cuda_bf16_supported=bool(cuda and torch.cuda.is_bf16_supported()),
+        cuda_free_bytes=torch.cuda.mem_get_info()[0] if cuda else 0,
+        mps_available=mps,
+        flash_attn_available=flash,
+        kernels_installed=kernels_version,
+        kernels_required=import_utils.KERNELS_MIN_VERSION,
+        kernels_usable=bool(import_utils.is_kernels_available()),
+        ram_available_bytes=int(psutil.virtual_memory().available),
+    )

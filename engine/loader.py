@@ -1,0 +1,73 @@
+"""Loading the model and tokenizer through `from_pretrained`, with messages a user can act on when it fails.
+
+The `tiny-random` alias is built first (engine.tiny_model) and then loaded through the very same path as a Hub
+model. A model that cannot be found or downloaded raises `ModelLoadError` naming `--model-id PATH` and
+`--model-id tiny-random`, never a bare traceback.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass
+
+from .backend import BackendChoice
+from .config import EngineConfig
+from .tiny_model import is_tiny_model, resolve_tiny_alias
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"float32": "float32", "float16": "float16", "bfloat16": "bfloat16"}
+
+
+class ModelLoadError(RuntimeError):
+    """The model could not be loaded; the message says what to do instead."""
+
+
+@dataclass
+class LoadedModel:
+    model: object
+    tokenizer: object
+    source: str  # the folder or Hub id actually loaded
+    is_random: bool
+    load_seconds: float
+
+
+def _explain(model_id: str, error: Exception) -> str:
+    offline = os.environ.get("HF_HUB_OFFLINE") == "1"
+    reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    where = "is not a local folder and could not be fetched from the Hugging Face Hub"
+    if offline:
+        where += " (HF_HUB_OFFLINE=1)"
+    return (f"Could not load model {model_id!r}: it {where}.\n  Reason: {reason}\n"
+            f"  Use a model folder on this machine with --model-id PATH, or the offline random model with "
+            f"--model-id tiny-random.")
+
+
+def load_model(config: EngineConfig, backend: BackendChoice) -> LoadedModel:
+    """Load tokenizer and model on the chosen device and dtype. Raises ModelLoadError with advice on failure."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    start = time.perf_counter()
+    source = resolve_tiny_alias(config.model_id)
+    common = {"revision": config.revision, "trust_remote_code": config.trust_remote_code}
+    # Load directly with the attention CB will use; our own path is registered before (engine.attention).
+    attn = backend.attn_implementation
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(source, **common)
+        model = AutoModelForCausalLM.from_pretrained(
+            source, dtype=getattr(torch, _DTYPES[backend.dtype]), device_map=backend.device,
+            attn_implementation=attn, **common)
+    except (OSError, ValueError, EnvironmentError) as error:
+        if os.path.isdir(source) or "attn_implementation" in str(error) or "attention" in str(error).lower():
+            raise ModelLoadError(f"Could not load model {config.model_id!r} with attention {attn!r}: {error}") from error
+        raise ModelLoadError(_explain(config.model_id, error)) from error
+    if getattr(tokenizer, "chat_template", None) is None:
+        logger.warning("Model %s has no chat template: chat requests will be refused", config.model_id)
+    model.eval()
+    seconds = time.perf_counter() - start
+    logger.info("Loaded %s in %.1fs (%s, %s)", source, seconds, backend.device, backend.dtype)
+    return LoadedModel(model=model, tokenizer=tokenizer, source=source, is_random=is_tiny_model(source),
+                       load_seconds=seconds)
