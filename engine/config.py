@@ -203,14 +203,12 @@ def _env_default(option: _Option, environ) -> object | None:
         raise ValueError(f"environment variable {option.env}={raw!r}: {error}") from None
 
 
-def add_engine_arguments(parser: argparse.ArgumentParser, environ=os.environ) -> None:
-    """Add the engine flags to a parser; each flag's default comes from its environment variable when set."""
-    group = parser.add_argument_group("engine", "Model and backend (each flag also reads the environment variable "
-                                                "shown in brackets)")
-    for option in ENGINE_OPTIONS:
+def _add_options(group, options: tuple[_Option, ...], environ) -> None:
+    """One flag per option; its default comes from the option's environment variable when set."""
+    for option in options:
         default = _env_default(option, environ)
         help_text = f"{option.help} [{option.env}]"
-        if option.kind is bool and option.field_name == "trust_remote_code":
+        if option.field_name == "trust_remote_code":
             group.add_argument(option.flag, dest=option.field_name, action="store_true", default=bool(default),
                                help=help_text)
         elif option.kind is bool:
@@ -221,8 +219,63 @@ def add_engine_arguments(parser: argparse.ArgumentParser, environ=os.environ) ->
                                choices=option.choices, help=help_text)
 
 
+def add_engine_arguments(parser: argparse.ArgumentParser, environ=os.environ) -> None:
+    """Add the engine flags to a parser; each flag's default comes from its environment variable when set."""
+    group = parser.add_argument_group("engine", "Model and backend (each flag also reads the environment variable "
+                                                "shown in brackets)")
+    _add_options(group, ENGINE_OPTIONS, environ)
+
+
+def _config_from_args(cls, args: argparse.Namespace):
+    known = {f.name for f in fields(cls)}
+    return cls(**{name: value for name, value in vars(args).items() if name in known and value is not None})
+
+
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     """Build the EngineConfig from parsed flags (flags already carry the environment defaults)."""
-    known = {f.name for f in fields(EngineConfig)}
-    values = {name: value for name, value in vars(args).items() if name in known and value is not None}
-    return EngineConfig(**values)
+    return _config_from_args(EngineConfig, args)
+
+
+@dataclass(frozen=True)
+class AppConfig:
+    """How the web app is served (engine settings live in EngineConfig).
+
+    Attributes:
+        host / port / share: where Gradio listens; share opens a public gradio.live link.
+        max_rows: most rows one dataset job may run (a Space sets this for its visitors); None = no limit.
+        max_file_size_mb: largest upload accepted.
+        chat_concurrency: chat requests served at once (None = no limit: all are batched together in the engine).
+    """
+
+    host: str = "127.0.0.1"
+    port: int = 7860
+    share: bool = False
+    max_rows: int | None = None
+    max_file_size_mb: float = 100.0
+    chat_concurrency: int | None = None
+
+    def __post_init__(self) -> None:
+        _check_int("port", self.port, 1, 65535)
+        _check_int("max_rows", self.max_rows, 1, allow_none=True)
+        _check_float("max_file_size_mb", self.max_file_size_mb, 0.0, 1e6, low_open=True)
+        _check_int("chat_concurrency", self.chat_concurrency, 1, allow_none=True)
+
+
+APP_OPTIONS: tuple[_Option, ...] = (
+    _Option("host", "--host", "HOST", str, "Interface to listen on (0.0.0.0 to accept other machines)."),
+    _Option("port", "--port", "PORT", int, "Port to listen on."),
+    _Option("share", "--share", "SHARE", bool, "on/off: also serve through a public gradio.live link."),
+    _Option("max_rows", "--max-rows", "MAX_ROWS", int, "Most rows one dataset job may run (unlimited if unset)."),
+    _Option("max_file_size_mb", "--max-file-size-mb", "MAX_FILE_SIZE_MB", float, "Largest upload, in MB."),
+    _Option("chat_concurrency", "--chat-concurrency", "CHAT_CONCURRENCY", int,
+            "Chat requests served at once (unlimited if unset: the engine batches them together)."),
+)
+
+
+def add_app_arguments(parser: argparse.ArgumentParser, environ=os.environ) -> None:
+    group = parser.add_argument_group("app", "Web server (each flag also reads the environment variable shown)")
+    _add_options(group, APP_OPTIONS, environ)
+
+
+def app_config_from_args(args: argparse.Namespace) -> AppConfig:
+    return _config_from_args(AppConfig, args)

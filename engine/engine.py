@@ -192,6 +192,7 @@ class Engine:
             return manager
         if manager is not None:
             self._retire_manager(manager, "The generation loop stopped unexpectedly")
+        if self._manager_epoch > 0:
             self._restarts += 1
             logger.warning("Rebuilding the continuous-batching manager (restart %d)", self._restarts)
         self._manager = self._build_manager()
@@ -373,7 +374,7 @@ class Engine:
         Rows enter the scheduler through a bounded number of engine-wide slots, so a chat request submitted
         meanwhile waits behind at most that many rows. A row whose prompt cannot run (empty, too long, malformed
         messages) yields an `error` result at once; the others go on. Closing the generator, or setting
-        `cancel_event`, cancels the rows in flight.
+        `cancel_event`, cancels the rows in flight; cancelled rows are not yielded.
         """
         self._require_started()
         finished: queue.Queue[RequestHandle] = queue.Queue()
@@ -409,8 +410,8 @@ class Engine:
                         yield item.key, GenerationResult(text="", finish_reason="error", error=str(error))
                         continue
                     in_flight[handle.request_id] = item.key
-                if not in_flight and (exhausted or stopping):
-                    return
+                if stopping or (exhausted and not in_flight):
+                    return  # rows still in flight are cancelled below and never yielded
                 if not in_flight:
                     continue  # every slot is held by another job: wait for one
                 try:

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
+import threading
 import time
 from dataclasses import dataclass
 
@@ -45,6 +47,30 @@ def _explain(model_id: str, error: Exception) -> str:
             f"--model-id tiny-random.")
 
 
+def hub_reachable(host: str = "huggingface.co", timeout_s: float = 3.0) -> bool:
+    """Whether the Hub's name resolves within a few seconds (offline, huggingface_hub retries for ~45s)."""
+    if os.environ.get("HF_HUB_OFFLINE") == "1":
+        return False
+    outcome: list[bool] = []
+
+    def resolve() -> None:
+        try:
+            socket.getaddrinfo(host, 443)
+            outcome.append(True)
+        except OSError:
+            outcome.append(False)
+
+    worker = threading.Thread(target=resolve, daemon=True)  # getaddrinfo has no timeout of its own
+    worker.start()
+    worker.join(timeout_s)
+    return bool(outcome and outcome[0])
+
+
+def _looks_like_path(model_id: str) -> bool:
+    """A Hub id is `name` or `owner/name`; anything else with slashes is meant as a folder."""
+    return model_id.startswith(("/", "./", "../", "~")) or model_id.count("/") > 1
+
+
 def load_model(config: EngineConfig, backend: BackendChoice) -> LoadedModel:
     """Load tokenizer and model on the chosen device and dtype. Raises ModelLoadError with advice on failure."""
     import torch
@@ -52,7 +78,13 @@ def load_model(config: EngineConfig, backend: BackendChoice) -> LoadedModel:
 
     start = time.perf_counter()
     source = resolve_tiny_alias(config.model_id)
+    if not os.path.isdir(source) and _looks_like_path(source):
+        raise ModelLoadError(f"Model folder not found: {source}. Give a folder that holds config.json and the "
+                             "weights, a Hub id like 'Qwen/Qwen2.5-0.5B-Instruct', or --model-id tiny-random.")
     common = {"revision": config.revision, "trust_remote_code": config.trust_remote_code}
+    if not os.path.isdir(source) and not hub_reachable():
+        logger.warning("The Hugging Face Hub is unreachable: loading %s from the local cache only", source)
+        common["local_files_only"] = True
     # Load directly with the attention CB will use; our own path is registered before (engine.attention).
     attn = backend.attn_implementation
     try:
@@ -60,7 +92,7 @@ def load_model(config: EngineConfig, backend: BackendChoice) -> LoadedModel:
         model = AutoModelForCausalLM.from_pretrained(
             source, dtype=getattr(torch, _DTYPES[backend.dtype]), device_map=backend.device,
             attn_implementation=attn, **common)
-    except (OSError, ValueError, EnvironmentError) as error:
+    except (OSError, ValueError) as error:
         if os.path.isdir(source) or "attn_implementation" in str(error) or "attention" in str(error).lower():
             raise ModelLoadError(f"Could not load model {config.model_id!r} with attention {attn!r}: {error}") from error
         raise ModelLoadError(_explain(config.model_id, error)) from error

@@ -123,35 +123,38 @@ class _SampleColumn(_Column):
 
     def __call__(self, scores: torch.Tensor, tensor_arg: torch.Tensor) -> torch.Tensor:
         rows = scores.size(0)
-        greedy_tokens = scores.argmax(dim=-1, keepdim=True)
-        if self.step.all_greedy and not scores.is_cuda:  # host only: a CUDA graph must not depend on this branch
-            chosen = greedy_tokens
+        step = self.step
+        if step.all_greedy and not scores.is_cuda:  # host only: a CUDA graph must not depend on this branch
+            chosen = scores.argmax(dim=-1, keepdim=True)
         else:
-            uniform = tensor_arg[:rows].view(torch.float32)
-            chosen = self._sample(scores, uniform, greedy_tokens)
+            chosen = choose_tokens(scores, step.temperature.view(torch.float32), step.top_k,
+                                   step.top_p.view(torch.float32), tensor_arg[:rows].view(torch.float32))
         return torch.full_like(scores, float("-inf")).scatter_(-1, chosen, 0.0)
 
-    def _sample(self, scores: torch.Tensor, uniform: torch.Tensor, greedy_tokens: torch.Tensor) -> torch.Tensor:
-        step = self.step
-        temperature = step.temperature.view(torch.float32)
-        greedy = temperature <= 0
-        logits = scores / torch.where(greedy, torch.ones_like(temperature), temperature).unsqueeze(-1)
-        sorted_logits, sorted_index = logits.sort(dim=-1, descending=True)
-        vocab = scores.size(-1)
-        ranks = torch.arange(vocab, device=scores.device).unsqueeze(0)
-        top_k = step.top_k.to(torch.int64)
-        top_k = torch.where(top_k > 0, top_k, torch.full_like(top_k, vocab)).unsqueeze(-1)
-        sorted_logits = sorted_logits.masked_fill(ranks >= top_k, float("-inf"))
-        probs = sorted_logits.softmax(dim=-1)  # renormalised over the top-k, as generate's top-p sees them
-        cumulative = probs.cumsum(dim=-1)
-        keep = (cumulative - probs) < step.top_p.view(torch.float32).unsqueeze(-1)
-        kept = probs * keep
-        cumulative_kept = kept.cumsum(dim=-1)
-        target = uniform.unsqueeze(-1) * cumulative_kept[:, -1:]
-        position = torch.searchsorted(cumulative_kept, target, right=True)
-        position = torch.minimum(position, keep.sum(dim=-1, keepdim=True) - 1).clamp(min=0)
-        sampled = sorted_index.gather(-1, position)
-        return torch.where(greedy.unsqueeze(-1), greedy_tokens, sampled)
+
+def choose_tokens(scores: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+                  uniform: torch.Tensor) -> torch.Tensor:
+    """Pick one token per row of `scores` [rows, vocab]: argmax where temperature <= 0, else temperature, top-k
+    (0 = off), top-p (renormalised after top-k) and inverse-CDF sampling at `uniform` in [0, 1). Returns [rows, 1]."""
+    greedy = temperature <= 0
+    greedy_tokens = scores.argmax(dim=-1, keepdim=True)
+    logits = scores / torch.where(greedy, torch.ones_like(temperature), temperature).unsqueeze(-1)
+    sorted_logits, sorted_index = logits.sort(dim=-1, descending=True)
+    vocab = scores.size(-1)
+    ranks = torch.arange(vocab, device=scores.device).unsqueeze(0)
+    top_k = top_k.to(torch.int64)
+    top_k = torch.where(top_k > 0, top_k, torch.full_like(top_k, vocab)).unsqueeze(-1)
+    sorted_logits = sorted_logits.masked_fill(ranks >= top_k, float("-inf"))
+    probs = sorted_logits.softmax(dim=-1)  # renormalised over the top-k, as generate's top-p sees them
+    cumulative = probs.cumsum(dim=-1)
+    keep = (cumulative - probs) < top_p.unsqueeze(-1)
+    kept = probs * keep
+    cumulative_kept = kept.cumsum(dim=-1)
+    target = uniform.unsqueeze(-1) * cumulative_kept[:, -1:]
+    position = torch.searchsorted(cumulative_kept, target, right=True)
+    position = torch.minimum(position, keep.sum(dim=-1, keepdim=True) - 1).clamp(min=0)
+    sampled = sorted_index.gather(-1, position)
+    return torch.where(greedy.unsqueeze(-1), greedy_tokens, sampled)
 
 
 def install_sampler(manager, seed: int | None = None) -> None:

@@ -41,13 +41,13 @@ class IncrementalDetokenizer:
 
     def finish(self, all_token_ids: list[int]) -> str:
         """Return the text still held back (e.g. an incomplete byte sequence), so deltas sum to the full decode."""
-        self.push(all_token_ids)
+        delta = self.push(all_token_ids)
         full = self._tokenizer.decode(all_token_ids, skip_special_tokens=True)
         if full.startswith(self.text):
-            tail = full[len(self.text):]
+            delta += full[len(self.text):]
             self.text = full
-            return tail
-        return ""  # never seen in practice (checked on random ids): the streamed text stays authoritative
+        # else: never seen in practice (checked on random ids); the streamed text stays authoritative
+        return delta
 
 
 class StopStringMatcher:

@@ -1,0 +1,80 @@
+"""Backend selection for every branch, with the machine's facts injected instead of the hardware."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine.backend import METAL_FLASH_KERNEL, DeviceFacts, select_backend
+from engine.config import EngineConfig
+
+GIB = 1024**3
+CUDA = DeviceFacts(cuda_available=True, cuda_device_name="H200", cuda_bf16_supported=True, cuda_free_bytes=100 * GIB)
+
+
+def test_cuda_with_flash_lets_cb_switch_from_sdpa():
+    choice = select_backend(EngineConfig(), DeviceFacts(**{**CUDA.__dict__, "flash_attn_available": True}))
+    assert (choice.device, choice.dtype, choice.attn_implementation) == ("cuda", "bfloat16", "sdpa")
+    assert "flash" in choice.reasons["attention"]
+    assert choice.page_size == 256 and choice.kv_cache_bytes is None  # sized from free memory after loading
+
+
+def test_cuda_without_flash():
+    choice = select_backend(EngineConfig(), CUDA)
+    assert choice.device == "cuda" and choice.attn_implementation in ("sdpa", "cbs_varlen")
+    assert "no flash" in choice.reasons["attention"]
+
+
+def test_cuda_without_bf16_uses_fp16():
+    facts = DeviceFacts(**{**CUDA.__dict__, "cuda_bf16_supported": False})
+    choice = select_backend(EngineConfig(), facts)
+    assert choice.dtype == "float16" and "no bf16" in choice.reasons["dtype"]
+
+
+def test_mps_with_usable_kernels_uses_metal_flash():
+    facts = DeviceFacts(mps_available=True, kernels_installed="0.18.2", kernels_usable=True)
+    choice = select_backend(EngineConfig(), facts)
+    assert (choice.device, choice.dtype, choice.attn_implementation) == ("mps", "float16", METAL_FLASH_KERNEL)
+    assert choice.page_size == 32
+    assert "--attn-implementation sdpa" in choice.reasons["attention"]
+
+
+def test_mps_without_kernels_falls_back_and_says_why():
+    choice = select_backend(EngineConfig(), DeviceFacts(mps_available=True, kernels_installed=None))
+    assert choice.attn_implementation != METAL_FLASH_KERNEL
+    assert "not installed" in choice.reasons["attention"]
+
+
+def test_mps_with_too_old_kernels_falls_back_and_says_why():
+    facts = DeviceFacts(mps_available=True, kernels_installed="0.17.2", kernels_usable=False)
+    choice = select_backend(EngineConfig(), facts)
+    assert choice.attn_implementation != METAL_FLASH_KERNEL
+    assert "0.17.2 is too old" in choice.reasons["attention"] and "0.18.2" in choice.reasons["attention"]
+
+
+def test_cpu_sizes_cache_and_batch_tokens_explicitly():
+    choice = select_backend(EngineConfig(), DeviceFacts(ram_available_bytes=16 * GIB))
+    assert (choice.device, choice.dtype) == ("cpu", "float32")
+    assert choice.max_batch_tokens == 512  # not CB's 8192 default, which can crash the loop on CPU
+    assert choice.kv_cache_bytes == int(16 * GIB * 0.2)
+    assert choice.page_size == 32
+
+
+def test_explicit_choices_always_win():
+    facts = DeviceFacts(mps_available=True, kernels_installed="0.18.2", kernels_usable=True)
+    choice = select_backend(EngineConfig(attn_implementation="sdpa", dtype="float32", kv_cache_gib=1.5,
+                                         max_batch_tokens=256, page_size=64), facts)
+    assert (choice.attn_implementation, choice.dtype) == ("sdpa", "float32")
+    assert "asked for" in choice.reasons["attention"]
+    assert (choice.kv_cache_bytes, choice.max_batch_tokens, choice.page_size) == (int(1.5 * GIB), 256, 64)
+
+
+def test_explicit_device_that_is_missing_is_an_error():
+    with pytest.raises(ValueError, match="no CUDA device"):
+        select_backend(EngineConfig(device="cuda"), DeviceFacts())
+    with pytest.raises(ValueError, match="Metal"):
+        select_backend(EngineConfig(device="mps"), DeviceFacts())
+
+
+def test_summary_names_choices_and_reasons():
+    line = select_backend(EngineConfig(), DeviceFacts()).summary()
+    assert "device=cpu" in line and "dtype=float32" in line and "attention=" in line
