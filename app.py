@@ -37,6 +37,7 @@ TABLE_ROWS_SHOWN = 500  # the results table shows this many rows; the download h
 UI_REFRESH_S = 0.5
 REASONING_TITLE = "💭 Reasoning"
 MODES = ["Prompt column", "Messages column", "Template"]
+UI_ONLY = {"api_visibility": "undocumented"}  # page events; the API is /chat and /generate_dataset
 
 
 # ------------------------------------------------------------------------------------------------ shared helpers --
@@ -218,6 +219,9 @@ class DatasetHandlers:
                 gr.update(choices=columns, value=messages_default or columns[0]), gr.update(value=mode),
                 gr.update(placeholder="e.g. " + " ".join("{" + c + "}" for c in columns[:2])))
 
+    def load_hub(self, hub_id, subset, split, max_rows, state):
+        return self.load(None, hub_id, subset, split, max_rows, state)
+
     def run(self, state, mode, prompt_column, messages_column, template, system_prompt, temperature, top_p, top_k,
             max_new_tokens, stop_text, seed, thinking, output_format, sample_rows=None):
         """Run the job (or its first `sample_rows` rows), yielding progress, the filling table and the download."""
@@ -259,6 +263,10 @@ class DatasetHandlers:
             raise gr.Error(str(error)) from None
         finally:
             state["cancel"] = None
+
+    def try_rows(self, *args):
+        """"Try 5 rows": the same job on the first five rows, to check the settings before a long run."""
+        yield from self.run(*args, sample_rows=5)
 
     @staticmethod
     def cancel(state):
@@ -370,14 +378,15 @@ def build_app(engine, app_config: AppConfig | None = None) -> gr.Blocks:
                                            info=None if engine.supports_thinking else
                                            "This model's chat template has no thinking switch")
             chat_settings = [system_prompt, temperature, top_p, top_k, max_new_tokens, stop_text, thinking]
-            concurrency = {"concurrency_limit": app_config.chat_concurrency}  # Gradio's default of 1 would serialise
+            # Gradio's default concurrency of 1 per event would serve chats one at a time: the engine batches them.
+            streaming = {"concurrency_limit": app_config.chat_concurrency, **UI_ONLY}
             submitted = gr.on([message.submit, send.click], chat.add_user_message, [message, chatbot],
-                              [message, chatbot], queue=False)
-            reply = submitted.then(chat.stream_reply, [chatbot, *chat_settings], chatbot, **concurrency)
-            again = regenerate.click(chat.drop_last_answer, chatbot, chatbot, queue=False).then(
-                chat.stream_reply, [chatbot, *chat_settings], chatbot, **concurrency)
-            stop.click(None, cancels=[reply, again])
-            clear.click(lambda: [], None, chatbot, cancels=[reply, again], queue=False)
+                              [message, chatbot], queue=False, **UI_ONLY)
+            reply = submitted.then(chat.stream_reply, [chatbot, *chat_settings], chatbot, **streaming)
+            again = regenerate.click(chat.drop_last_answer, chatbot, chatbot, queue=False, **UI_ONLY).then(
+                chat.stream_reply, [chatbot, *chat_settings], chatbot, **streaming)
+            stop.click(None, cancels=[reply, again], **UI_ONLY)
+            clear.click(lambda: [], None, chatbot, cancels=[reply, again], queue=False, **UI_ONLY)
 
         with gr.Tab("Dataset", id="dataset"):
             state = gr.State({})
@@ -424,21 +433,20 @@ def build_app(engine, app_config: AppConfig | None = None) -> gr.Blocks:
             download = gr.DownloadButton("Download results", visible=False, elem_id="dataset-download")
 
             loaded_outputs = [state, preview, status, prompt_column, messages_column, mode, template]
-            upload.upload(data.load, [upload, hub_id, subset, split, max_rows, state], loaded_outputs)
-            load.click(lambda *a: data.load(None, *a), [hub_id, subset, split, max_rows, state], loaded_outputs)
+            upload.upload(data.load, [upload, hub_id, subset, split, max_rows, state], loaded_outputs, **UI_ONLY)
+            load.click(data.load_hub, [hub_id, subset, split, max_rows, state], loaded_outputs, **UI_ONLY)
             job_inputs = [state, mode, prompt_column, messages_column, template, data_system, data_temperature,
                           data_top_p, data_top_k, data_max_tokens, data_stop, data_seed, data_thinking,
                           output_format]
             job_outputs = [progress, results, download]
-            run.click(data.run, job_inputs, job_outputs, concurrency_limit=None)
-            try_rows.click(lambda *a: (yield from data.run(*a, sample_rows=5)), job_inputs, job_outputs,
-                           concurrency_limit=None)
-            cancel.click(data.cancel, state, None, queue=False)
-            output_format.change(data.change_format, [state, output_format], download)
+            run.click(data.run, job_inputs, job_outputs, concurrency_limit=None, **UI_ONLY)
+            try_rows.click(data.try_rows, job_inputs, job_outputs, concurrency_limit=None, **UI_ONLY)
+            cancel.click(data.cancel, state, None, queue=False, **UI_ONLY)
+            output_format.change(data.change_format, [state, output_format], download, **UI_ONLY)
 
         with gr.Accordion("Engine", open=True):
             panel = gr.Markdown(engine.stats().as_markdown(), elem_id="engine-panel")
-            gr.Timer(2.0).tick(lambda: engine.stats().as_markdown(), None, panel, queue=False)
+            gr.Timer(2.0).tick(lambda: engine.stats().as_markdown(), None, panel, queue=False, **UI_ONLY)
 
         gr.api(chat.api_chat, api_name="chat", concurrency_limit=app_config.chat_concurrency)
         gr.api(data.api_generate, api_name="generate_dataset", concurrency_limit=None)

@@ -97,7 +97,7 @@ def _choose_dtype(config: EngineConfig, facts: DeviceFacts, device: str) -> tupl
 
 def _kernels_reason(facts: DeviceFacts) -> str:
     if facts.kernels_installed is None:
-        return "the `kernels` package is not installed (pip install 'kernels>=%s')" % facts.kernels_required
+        return f"the `kernels` package is not installed (pip install 'kernels>={facts.kernels_required}')"
     return (f"kernels {facts.kernels_installed} is too old for this transformers "
             f"(needs >= {facts.kernels_required})")
 

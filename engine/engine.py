@@ -23,7 +23,7 @@ import queue
 import threading
 import time
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from .backend import BackendChoice, DeviceFacts, probe_device_facts, select_backend
 from .config import EngineConfig, SamplingParams
@@ -48,7 +48,7 @@ class BatchRequest:
     prompt: str | None = None
     messages: list[dict] | None = None
     system_prompt: str | None = None
-    params: SamplingParams = SamplingParams()
+    params: SamplingParams = field(default_factory=SamplingParams)
     enable_thinking: bool | None = None
 
 

@@ -14,6 +14,9 @@ import pytest
 
 from engine.config import EngineConfig
 
+# No test needs the Hub; without this an unreachable Hub costs ~45 s of retries per lookup.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
 
 @pytest.fixture(scope="session")
 def model_cache(tmp_path_factory):
@@ -89,3 +92,49 @@ def greedy_reference(engine, prompt_ids: list[int], max_new_tokens: int) -> list
                                 dtype=torch.long), max_new_tokens=max_new_tokens, do_sample=False,
                                 eos_token_id=engine._eos_ids, pad_token_id=engine._eos_ids[-1])
     return output[0, len(prompt_ids):].tolist()
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def app_server(tiny_model_path, tmp_path_factory):
+    """`python app.py` for real, on the tiny model, on a free localhost port. Yields its URL."""
+    import subprocess
+    import sys
+    import time
+    import urllib.request
+
+    port = _free_port()
+    log_path = tmp_path_factory.mktemp("app") / "app.log"
+    log = log_path.open("w")
+    process = subprocess.Popen(
+        [sys.executable, "app.py", "--model-id", tiny_model_path, "--device", "cpu", "--port", str(port),
+         "--max-rows", "500", "--max-file-size-mb", "5"],
+        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))), stdout=log, stderr=subprocess.STDOUT,
+        env={**os.environ, "GRADIO_ANALYTICS_ENABLED": "False"})
+    url = f"http://127.0.0.1:{port}/"
+    deadline = time.monotonic() + 120
+    while True:
+        try:
+            with urllib.request.urlopen(url, timeout=2) as response:
+                if response.status == 200:
+                    break
+        except OSError:
+            pass
+        if process.poll() is not None or time.monotonic() > deadline:
+            process.kill()
+            raise RuntimeError(f"the app did not start:\n{log_path.read_text()[-3000:]}")
+        time.sleep(0.5)
+    yield url
+    process.terminate()
+    try:
+        process.wait(timeout=20)
+    except subprocess.TimeoutExpired:
+        process.kill()
+    log.close()
