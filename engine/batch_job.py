@@ -11,12 +11,13 @@ text and an empty response; the job goes on. Reading and writing files is engine
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import string
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -205,8 +206,12 @@ def _error_result(message: str) -> GenerationResult:
     return GenerationResult(text="", finish_reason="error", error=message)
 
 
-def assemble(table: pd.DataFrame, spec: JobSpec, records: dict[tuple[int, int], dict]) -> pd.DataFrame:
-    """Input columns in input order, one row per (row, generation), plus the result columns."""
+def assemble(table: pd.DataFrame, spec: JobSpec, records: dict[tuple[int, int], dict],
+             unfinished: str = "cancelled") -> pd.DataFrame:
+    """Input columns in input order, one row per (row, generation), plus the result columns.
+
+    A row without a record gets an empty response and `unfinished` as its finish_reason.
+    """
     rows = []
     plain = table.to_dict("records")
     for index, source in enumerate(plain):
@@ -217,7 +222,7 @@ def assemble(table: pd.DataFrame, spec: JobSpec, records: dict[tuple[int, int], 
                 out["generation"] = generation
             out[spec.output_column] = record["response"] if record else ""
             for name in RESULT_COLUMNS:
-                default = 0 if name.endswith("tokens") else ("cancelled" if name == "finish_reason" else "")
+                default = 0 if name.endswith("tokens") else (unfinished if name == "finish_reason" else "")
                 out[name] = record[name] if record else default
             if spec.enable_thinking:
                 out["reasoning"] = record["reasoning"] if record else ""
@@ -231,11 +236,34 @@ def _output_columns(table: pd.DataFrame, spec: JobSpec) -> list[str]:
     return columns + (["reasoning"] if spec.enable_thinking else [])
 
 
-def run_job(engine: Engine, table: pd.DataFrame, spec: JobSpec, *, checkpoint: Checkpoint | None = None,
-            on_progress: Callable[[JobProgress], None] | None = None,
-            on_result: Callable[[int, int, dict], None] | None = None,
-            cancel_event: threading.Event | None = None) -> JobResult:
-    """Generate for every row of `table`, reusing finished rows from `checkpoint`. Raises JobError up front."""
+@dataclass
+class JobUpdate:
+    """What `iter_job` yields: the progress so far and, on the last update, the result.
+
+    `progress` and `records` are the job's live state (copying them for every row would cost O(rows^2)): call
+    `partial_table()` when the update arrives, not after the job has gone on.
+    """
+
+    progress: JobProgress
+    table: pd.DataFrame
+    spec: JobSpec
+    records: dict[tuple[int, int], dict]
+    result: JobResult | None = None
+
+    def partial_table(self) -> pd.DataFrame:
+        """The output so far: finished rows filled in, the others `pending` with an empty response."""
+        if self.result is not None:
+            return self.result.table
+        return assemble(self.table, self.spec, self.records, unfinished="pending")
+
+
+def iter_job(engine: Engine, table: pd.DataFrame, spec: JobSpec, *, checkpoint: Checkpoint | None = None,
+             on_result: Callable[[int, int, dict], None] | None = None,
+             cancel_event: threading.Event | None = None) -> Iterator[JobUpdate]:
+    """Run the job, yielding an update once the rows are submitted, after each finished row, and a last one with
+    `result` set. Raises JobError on the first `next()` when the job cannot start. Closing the iterator cancels the
+    rows in flight (finished rows stay in the checkpoint); so does setting `cancel_event`.
+    """
     spec = resolve_spec(table, spec)
     # What decides a row's answer besides its prompt. max_new_tokens=None means the engine's default: record the
     # value in effect, so a rerun with another default does not reuse answers cut at the old length.
@@ -245,8 +273,6 @@ def run_job(engine: Engine, table: pd.DataFrame, spec: JobSpec, *, checkpoint: C
                 "enable_thinking": spec.enable_thinking, "mode": spec.mode}
     progress = JobProgress(total=len(table) * spec.num_generations)
     records: dict[tuple[int, int], dict] = {}
-    if checkpoint is not None:
-        checkpoint.load()
 
     def finish(key: tuple[int, int], fp: str, result: GenerationResult) -> None:
         record = _record(key[0], key[1], fp, result)
@@ -259,52 +285,70 @@ def run_job(engine: Engine, table: pd.DataFrame, spec: JobSpec, *, checkpoint: C
         progress.tokens += result.completion_tokens
         if on_result is not None:
             on_result(key[0], key[1], record)
-        if on_progress is not None:
-            on_progress(progress)
-
-    fingerprints: dict[tuple[int, int], str] = {}
-    requests: list[BatchRequest] = []
-    for index, row in enumerate(table.to_dict("records")):
-        try:
-            prompt_kwargs, problem = row_prompt(row, spec), None
-        except PromptError as error:
-            prompt_kwargs, problem = {}, str(error)
-        for generation in range(spec.num_generations):
-            key = (index, generation)
-            fp = fingerprint(settings, index, generation, prompt_kwargs or problem)
-            fingerprints[key] = fp
-            reused = checkpoint.reusable(key, fp, spec.retry_failed) if checkpoint is not None else None
-            if reused is not None:
-                records[key] = reused
-                progress.done += 1
-                progress.resumed += 1
-                progress.failed += bool(reused.get("error"))
-                if on_result is not None:
-                    on_result(index, generation, reused)
-                continue
-            if problem is not None:
-                finish(key, fp, _error_result(problem))
-                continue
-            params = spec.params
-            if params.seed is not None and generation:  # wraps inside the valid seed range
-                params = SamplingParams(**{**asdict(params), "seed": (params.seed + generation) % 2**63})
-            requests.append(BatchRequest(key=key, system_prompt=spec.system_prompt, params=params,
-                                         enable_thinking=spec.enable_thinking, **prompt_kwargs))
-    if progress.resumed:
-        logger.info("Resumed %d finished row(s) from %s", progress.resumed, checkpoint.path)
-    if on_progress is not None:
-        on_progress(progress)
 
     cancelled = False
-    results = engine.generate_many(requests, cancel_event=cancel_event)
     try:
-        for key, result in results:
-            if result.finish_reason != "cancelled":  # a cancelled row is not finished: a rerun generates it
-                finish(key, fingerprints[key], result)
-        cancelled = cancel_event is not None and cancel_event.is_set() and progress.done < progress.total
+        if checkpoint is not None:
+            checkpoint.load()
+        fingerprints: dict[tuple[int, int], str] = {}
+        requests: list[BatchRequest] = []
+        for index, row in enumerate(table.to_dict("records")):
+            try:
+                prompt_kwargs, problem = row_prompt(row, spec), None
+            except PromptError as error:
+                prompt_kwargs, problem = {}, str(error)
+            for generation in range(spec.num_generations):
+                key = (index, generation)
+                fp = fingerprint(settings, index, generation, prompt_kwargs or problem)
+                fingerprints[key] = fp
+                reused = checkpoint.reusable(key, fp, spec.retry_failed) if checkpoint is not None else None
+                if reused is not None:
+                    records[key] = reused
+                    progress.done += 1
+                    progress.resumed += 1
+                    progress.failed += bool(reused.get("error"))
+                    if on_result is not None:
+                        on_result(index, generation, reused)
+                    continue
+                if problem is not None:
+                    finish(key, fp, _error_result(problem))
+                    continue
+                params = spec.params
+                if params.seed is not None and generation:  # wraps inside the valid seed range
+                    params = SamplingParams(**{**asdict(params), "seed": (params.seed + generation) % 2**63})
+                requests.append(BatchRequest(key=key, system_prompt=spec.system_prompt, params=params,
+                                             enable_thinking=spec.enable_thinking, **prompt_kwargs))
+        if progress.resumed:
+            logger.info("Resumed %d finished row(s) from %s", progress.resumed, checkpoint.path)
+        yield JobUpdate(progress, table, spec, records)
+
+        results = engine.generate_many(requests, cancel_event=cancel_event)
+        try:
+            for key, result in results:
+                if result.finish_reason != "cancelled":  # a cancelled row is not finished: a rerun generates it
+                    finish(key, fingerprints[key], result)
+                    yield JobUpdate(progress, table, spec, records)
+            cancelled = cancel_event is not None and cancel_event.is_set() and progress.done < progress.total
+        finally:
+            results.close()
     finally:
-        results.close()
         if checkpoint is not None:
             checkpoint.close()
-    return JobResult(table=assemble(table, spec, records), progress=progress, cancelled=cancelled,
-                     checkpoint=checkpoint.path if checkpoint is not None else None)
+    result = JobResult(table=assemble(table, spec, records), progress=progress, cancelled=cancelled,
+                       checkpoint=checkpoint.path if checkpoint is not None else None)
+    yield JobUpdate(progress, table, spec, records, result=result)
+
+
+def run_job(engine: Engine, table: pd.DataFrame, spec: JobSpec, *, checkpoint: Checkpoint | None = None,
+            on_progress: Callable[[JobProgress], None] | None = None,
+            on_result: Callable[[int, int, dict], None] | None = None,
+            cancel_event: threading.Event | None = None) -> JobResult:
+    """Generate for every row of `table`, reusing finished rows from `checkpoint`. Raises JobError up front."""
+    updates = iter_job(engine, table, spec, checkpoint=checkpoint, on_result=on_result, cancel_event=cancel_event)
+    with contextlib.closing(updates):  # an exception here (Ctrl-C in a callback) still cancels the rows in flight
+        for update in updates:
+            if update.result is not None:
+                return update.result
+            if on_progress is not None:
+                on_progress(update.progress)
+    raise RuntimeError("the job ended without a result")  # unreachable: iter_job always yields one

@@ -179,9 +179,12 @@ def _run(engine, table, spec, params, config, args, argv, kind) -> int:
     print(f"Wrote {len(result.table)} rows to {where} ({progress.tokens} tokens generated this run, "
           f"{progress.tokens_per_second:.1f} tok/s).")
     if failed:
-        shown = ", ".join(str(i) for i in failed[:20]) + (" ..." if len(failed) > 20 else "")
-        print(f"{len(failed)} row(s) failed (see the 'error' column): {shown}. "
-              f"Rerun with --retry-failed to try them again.")
+        # Numbered as input rows (0-based): with N generations per row the output has N rows for each of them.
+        rows = sorted({i // spec.num_generations for i in failed})
+        shown = ", ".join(str(i) for i in rows[:20]) + (" ..." if len(rows) > 20 else "")
+        what = f"{len(failed)} response(s) of {len(rows)} input row(s)" if spec.num_generations > 1 else \
+            f"{len(failed)} row(s)"
+        print(f"{what} failed (see the 'error' column): {shown}. Rerun with --retry-failed to try them again.")
     return EXIT_OK
 
 

@@ -22,7 +22,12 @@ logger = logging.getLogger(__name__)
 
 INPUT_SUFFIXES = (".csv", ".tsv", ".jsonl", ".json", ".parquet")
 OUTPUT_SUFFIXES = (".csv", ".jsonl", ".parquet")
+_OTHER_FILE_SUFFIXES = (".txt", ".xlsx", ".xls", ".arrow", ".feather", ".pq", ".gz", ".zip", ".ndjson", ".md")
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+# JSON cells as written: no "2024-01-01" in a `created_at` column turned into a timestamp. pandas 3 does that with
+# dtype=False alone (and deprecates convert_dates); pandas 2 still converts date-like column names without it.
+_JSON_AS_WRITTEN = {"dtype": False} if int(pd.__version__.split(".")[0]) >= 3 else {"dtype": False,
+                                                                                     "convert_dates": False}
 
 
 class DataError(ValueError):
@@ -42,9 +47,9 @@ def _read_file(path: Path) -> pd.DataFrame:
             return pd.read_csv(path, sep="\t" if suffix == ".tsv" else ",", dtype=str, keep_default_na=False,
                                encoding="utf-8")
         if suffix == ".jsonl" or (suffix == ".json" and _looks_like_json_lines(path)):
-            return pd.read_json(path, lines=True, dtype=False, convert_dates=False)
+            return pd.read_json(path, lines=True, **_JSON_AS_WRITTEN)
         if suffix == ".json":
-            return pd.read_json(path, dtype=False, convert_dates=False)
+            return pd.read_json(path, **_JSON_AS_WRITTEN)
         if suffix == ".parquet":
             return pd.read_parquet(path)
     except UnicodeDecodeError as error:
@@ -124,7 +129,7 @@ def output_kind(output: str) -> str:
     suffix = Path(output).suffix.lower()
     if suffix in OUTPUT_SUFFIXES:
         return suffix[1:]
-    if is_hub_id(output):
+    if is_hub_id(output) and suffix not in _OTHER_FILE_SUFFIXES:  # "results/out.xlsx" is a file, not a repo
         return "hub"
     raise DataError(f"Output {output!r}: use a file ending in {', '.join(OUTPUT_SUFFIXES)} or a Hub dataset id "
                     "like 'owner/name'")

@@ -30,7 +30,7 @@ def test_eight_concurrent_chats_each_equal_their_greedy_reference(client, engine
 
     with ThreadPoolExecutor(max_workers=8) as pool:
         replies = list(pool.map(ask, messages))
-    for message, reply in zip(messages, replies):
+    for message, reply in zip(messages, replies, strict=True):
         assert reply == _expected_reply(engine, message, 24)
 
 
@@ -65,7 +65,7 @@ def test_dataset_job_through_the_api(client, engine):
                             temperature=0.0, max_new_tokens=12, api_name="/generate_dataset")
     results = [json.loads(line) for line in output.splitlines()]
     assert [r["id"] for r in results] == list(range(7))
-    assert all(r["note"] == src["note"] for r, src in zip(results, rows))
+    assert all(r["note"] == src["note"] for r, src in zip(results, rows, strict=True))
     for row in results[:6]:
         assert row["response"] == _expected_reply(engine, row["question"], 12)
         assert row["error"] == ""

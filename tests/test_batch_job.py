@@ -75,9 +75,9 @@ def test_csv_columns_survive_exactly_and_empty_prompt_fails(engine, tmp_path):
     written = _read_csv(output)  # read back with the csv module, not with the code under test
     assert written[0] == TRICKY_HEADER + RESULT_COLUMNS
     assert len(written) == 1 + len(TRICKY_ROWS)
-    for source_row, out_row in zip(TRICKY_ROWS, written[1:]):
+    for source_row, out_row in zip(TRICKY_ROWS, written[1:], strict=True):
         assert out_row[:len(TRICKY_HEADER)] == source_row  # every input cell string-equal, rows in input order
-        record = dict(zip(written[0], out_row))
+        record = dict(zip(written[0], out_row, strict=True))
         if source_row[2] == "":
             assert record["response"] == ""
             assert record["finish_reason"] == "error"
@@ -115,9 +115,11 @@ def test_messages_jsonl_greedy_equals_generate(engine, tmp_path):
         for i, messages in enumerate(CONVERSATIONS):
             # The last row stores its conversation as JSON text, as some datasets do.
             cell = json.dumps(messages) if i == len(CONVERSATIONS) - 1 else messages
-            handle.write(json.dumps({"id": f"{i:03d}", "messages": cell}, ensure_ascii=False) + "\n")
+            handle.write(json.dumps({"id": f"{i:03d}", "created_at": f"2024-01-0{i + 1}", "messages": cell},
+                                    ensure_ascii=False) + "\n")
 
     table = read_table(str(source))
+    assert list(table["created_at"]) == ["2024-01-01", "2024-01-02", "2024-01-03"]  # text, not timestamps
     result = run_job(engine, table, JobSpec(messages_column="messages", system_prompt=SYSTEM, params=GREEDY))
     assert list(result.table["id"]) == ["000", "001", "002"]
     _assert_ok(result.table, [_reference(engine, messages=m, system_prompt=SYSTEM) for m in CONVERSATIONS])
@@ -153,7 +155,7 @@ def test_template_fills_columns(engine, tmp_path):
     template = "Translate to {lang}: {text}"
     table = read_table(str(tmp_path / "t.csv"))
     result = run_job(engine, table, JobSpec(template=template, params=GREEDY))
-    prompts = [template.format(text=t, lang=lang) for t, lang in zip(table["text"], table["lang"])]
+    prompts = [template.format(text=t, lang=lang) for t, lang in zip(table["text"], table["lang"], strict=True)]
     assert prompts[1] == "Translate to German: {not a field}"  # a brace inside a cell is text, not a field
     _assert_ok(result.table, [_reference(engine, prompt=p) for p in prompts])
 
@@ -186,7 +188,7 @@ def test_local_dataset_folders_read_through_datasets(engine, tmp_path):
                [_reference(engine, messages=m) for m in CONVERSATIONS[:2]])
 
     assert list(read_table(str(split_saved), split="test")["prompt"]) == prompts[::-1]
-    with pytest.raises(DataError, match="no split 'validation'.*train, test"):
+    with pytest.raises(DataError, match=r"no split 'validation'.*train, test"):
         read_table(str(split_saved), split="validation")
     assert list(read_table(str(split_saved), max_samples=1)["prompt"]) == prompts[:1]
 
@@ -203,7 +205,7 @@ def test_missing_column_lists_the_columns(tmp_path):
 
 def test_unreadable_files_say_why(tmp_path):
     (tmp_path / "empty.csv").write_bytes(b"")
-    with pytest.raises(DataError, match="empty.csv is empty"):
+    with pytest.raises(DataError, match=r"empty\.csv is empty"):
         read_table(str(tmp_path / "empty.csv"))
     (tmp_path / "header.csv").write_text("prompt,id\n", encoding="utf-8")
     with pytest.raises(DataError, match="no rows"):
@@ -212,7 +214,7 @@ def test_unreadable_files_say_why(tmp_path):
     with pytest.raises(DataError, match=r"blob.csv is not UTF-8 text \(is it a binary file\?\)"):
         read_table(str(tmp_path / "blob.csv"))
     (tmp_path / "blob.parquet").write_bytes(random.Random(1).randbytes(4096))
-    with pytest.raises(DataError, match="Could not read blob.parquet as PARQUET"):
+    with pytest.raises(DataError, match=r"Could not read blob\.parquet as PARQUET"):
         read_table(str(tmp_path / "blob.parquet"))
     with pytest.raises(DataError, match="File not found"):
         read_table(str(tmp_path / "missing.jsonl"))
@@ -230,7 +232,7 @@ def test_bad_rows_fail_alone_and_the_job_goes_on(engine):
         json.dumps([{"role": "user", "content": "the " * 1100}]),  # ~1100 tokens: over the 1024-token context
         "",
         json.dumps([{"role": "robot", "content": "hi"}]),
-        json.dumps(good + [{"role": "assistant", "content": "Hi!"}, {"role": "user", "content": "More"}]),
+        json.dumps([*good, {"role": "assistant", "content": "Hi!"}, {"role": "user", "content": "More"}]),
     ]})
     result = run_job(engine, table, JobSpec(messages_column="messages", params=GREEDY))
     out = result.table
@@ -298,6 +300,8 @@ def test_num_generations_gives_n_rows_per_input_row(engine):
             temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=MAX_NEW, seed=11 + row["generation"]))
         assert row["response"] == alone.text
     assert len(set(sampled["response"][:3])) == 3
+    last_seed = SamplingParams(temperature=1.0, max_new_tokens=2, seed=2**63 - 1)  # seed + 1 must stay valid
+    assert run_job(engine, table.head(1), JobSpec(num_generations=2, params=last_seed)).failed_rows == []
 
     with pytest.raises(JobError, match="num_generations=0"):
         JobSpec(num_generations=0)
@@ -402,3 +406,40 @@ def test_write_failure_is_a_data_error_and_leaves_no_partial_file(tmp_path):
     assert list(tmp_path.iterdir()) == []
     with pytest.raises(DataError, match="use a file ending in"):
         write_table(mixed, str(tmp_path / "out.xlsx"))
+
+
+def test_iter_job_streams_partial_tables_and_closing_it_cancels(engine, tmp_path):
+    """The app's dataset tab shows the table filling in, and stops the job by closing the iterator."""
+    from engine.batch_job import iter_job
+
+    prompts = [f"Short {i}" for i in range(4)]
+    table = pd.DataFrame({"prompt": prompts})
+    updates, shown = [], []
+    for update in iter_job(engine, table, JobSpec(params=GREEDY)):
+        updates.append(update)
+        shown.append((update.progress.done, update.partial_table()))  # as the app does, on arrival
+    assert [u.result is None for u in updates] == [True] * 5 + [False]  # submitted, 4 rows, result
+    assert list(shown[0][1]["finish_reason"]) == ["pending"] * 4 and list(shown[0][1]["response"]) == [""] * 4
+    assert [done for done, _ in shown] == [0, 1, 2, 3, 4, 4]
+    for done, partial in shown:
+        assert (partial["finish_reason"] != "pending").sum() == done
+    final = updates[-1]
+    assert final.partial_table() is final.result.table and not final.result.cancelled
+    _assert_ok(final.result.table, [_reference(engine, prompt=p) for p in prompts])
+
+    with pytest.raises(JobError, match="Column 'nope' not found"):
+        next(iter_job(engine, table, JobSpec(prompt_column="nope")))
+
+    long_rows = pd.DataFrame({"prompt": [f"A long story {i}" for i in range(8)]})
+    path = tmp_path / "ck.jsonl"
+    running = iter_job(engine, long_rows, JobSpec(params=SamplingParams(temperature=0.0, max_new_tokens=300)),
+                       checkpoint=Checkpoint(path))
+    for update in running:
+        if update.progress.done:
+            partial = update.partial_table()
+            break
+    running.close()  # what Gradio does when the user stops the event
+    finished = [json.loads(line)["row"] for line in path.read_text(encoding="utf-8").splitlines()]
+    assert 1 <= len(finished) < len(long_rows)  # closed mid-job
+    assert set(partial.index[partial["finish_reason"] != "pending"]) == set(finished)
+    assert engine._handles == {}  # the rows in flight were cancelled at once (their KV blocks freed), not left running

@@ -32,7 +32,7 @@ def _check_greedy_equals_generate(engine, prompts, max_new_tokens_for):
 
     with ThreadPoolExecutor(max_workers=len(prompts)) as pool:  # all in flight at once: batched together
         outcomes = list(pool.map(run, enumerate(prompts)))
-    for index, (prompt, (result, streamed)) in enumerate(zip(prompts, outcomes)):
+    for index, (prompt, (result, streamed)) in enumerate(zip(prompts, outcomes, strict=True)):
         prompt_ids = engine.prepare(prompt=prompt).token_ids
         reference = greedy_reference(engine, prompt_ids, max_new_tokens_for(index))
         assert result.finish_reason in ("stop", "length"), result
@@ -74,9 +74,7 @@ def test_stream_deltas_add_up_to_final_text(engine):
 def test_cancel_mid_stream_frees_the_request(engine):
     stream = engine.stream(prompt="a long answer please", params=SamplingParams(temperature=0.0,
                                                                                max_new_tokens=900))
-    received = 0
-    for _ in stream:
-        received += 1
+    for received, _ in enumerate(stream, start=1):
         if received == 3:
             break
     cancelled_at = time.monotonic()

@@ -25,7 +25,7 @@ def test_multibyte_characters_are_never_split(tokenizer):
     text = "Hi 😀 café 数据 🚀!"
     ids = tokenizer.encode(text, add_special_tokens=False)
     assert len(ids) > len(text.split())  # emoji and CJK really are several byte tokens here
-    deltas = _feed_one_by_one(TextPipeline(tokenizer, ()), ids + [tokenizer.convert_tokens_to_ids("<|im_end|>")])
+    deltas = _feed_one_by_one(TextPipeline(tokenizer, ()), [*ids, tokenizer.convert_tokens_to_ids("<|im_end|>")])
     assert all("\ufffd" not in d.text for d in deltas)
     assert "".join(d.text for d in deltas) == text
 
