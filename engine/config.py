@@ -56,6 +56,7 @@ class SamplingParams:
         max_new_tokens: at most this many generated tokens (clamped to the room left in the model's context).
         stop: strings that end the answer at their first occurrence; the stop string is left out of the text.
         seed: makes sampling reproducible for this request, whatever else runs in the same batch.
+        ignore_eos: keep generating past the end-of-turn token up to max_new_tokens (for benchmarks).
     """
 
     temperature: float | None = None
@@ -64,6 +65,7 @@ class SamplingParams:
     max_new_tokens: int | None = None
     stop: tuple[str, ...] = ()
     seed: int | None = None
+    ignore_eos: bool = False
 
     def __post_init__(self) -> None:
         if self.temperature is not None:

@@ -60,6 +60,7 @@ class _ResolvedSampling:
     max_new_tokens: int
     stop: tuple[str, ...]
     seed: int | None
+    ignore_eos: bool
 
 
 class Engine:
@@ -299,7 +300,7 @@ class Engine:
 
         return _ResolvedSampling(temperature=pick("temperature"), top_k=pick("top_k"), top_p=pick("top_p"),
                                  max_new_tokens=pick("max_new_tokens") or self.config.max_new_tokens,
-                                 stop=params.stop, seed=params.seed)
+                                 stop=params.stop, seed=params.seed, ignore_eos=params.ignore_eos)
 
     def prepare(self, *, prompt: str | None = None, messages: list[dict] | None = None,
                 system_prompt: str | None = None, enable_thinking: bool | None = None,
@@ -332,7 +333,8 @@ class Engine:
                     self._handles[request_id] = (self._manager_epoch, handle)
                 accepted = manager.add_request(
                     prepared.token_ids, request_id=request_id, max_new_tokens=prepared.max_new_tokens,
-                    streaming=streaming or bool(sampling.stop), eos_token_id=self._eos_ids or -1, **kwargs)
+                    streaming=streaming or bool(sampling.stop),
+                    eos_token_id=-1 if sampling.ignore_eos or not self._eos_ids else self._eos_ids, **kwargs)
             if accepted is not None:
                 return handle
             logger.warning("The generation loop refused request %s (attempt %d); rebuilding", request_id, attempt + 1)
