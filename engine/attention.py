@@ -11,7 +11,13 @@ attention function:
 
 - decoding rows (one query token) are batched into ONE padded `scaled_dot_product_attention` call: their keys are
   gathered into a [rows, kv_heads, longest, dim] tensor with a key-padding mask, and grouped-query attention is left
-  to sdpa (`enable_gqa=True`), without `repeat_kv`;
+  to sdpa (`enable_gqa=True`), without `repeat_kv`. When key lengths are very uneven (say one long conversation
+  among many short ones) the rows are split into a few length groups, one call each, so padding stays under 2x.
+  On CPU in float32, once that padded copy would exceed 16 MiB (large batches, long contexts) the decode rows
+  instead go through a block-sparse product that reads the keys in place: `torch.sparse.sampled_addmm` for the
+  scores of each row against its own keys only, a per-row softmax (`segment_reduce`), `torch.sparse.mm` with the
+  values (on 2 cores: about as fast as the padded call at that size, up to 3x faster beyond, and no large
+  temporary buffers);
 - prefill and chunked-prefill rows (several query tokens) get one sdpa call each over their own keys (cached prefix
   + new tokens), causal with the diagonal aligned bottom-right when there are more keys than queries.
 
@@ -31,7 +37,7 @@ things from the name alone:
 2. No attention mask: `continuous_batching.utils.attn_mask_is_needed` is True only for "sdpa" and "paged|eager".
    For our name CB neither allocates the [max_batch_tokens, cache tokens + max_batch_tokens] mask buffer nor
    rebuilds it each step; it passes `attention_mask=None`, `is_causal=True` (ignored here). `masking_utils` also
-   returns no mask under CB (the cache is a `PagedAttentionCache`). See `cb_allocates_attention_mask`.
+   returns no mask under CB (the cache is a `PagedAttentionCache`). See `engine.kv_cache.attention_needs_mask`.
 3. Memory planning: `PagedAttentionMemoryHandler` (used when `num_blocks` is not given) budgets no mask and
    GQA-native key/value reads (kv heads, not repeated heads) for "flash" names, which is what this function does.
    It does not know about the transient padded key/value copy of the decode rows (see "Memory" below).
@@ -59,9 +65,11 @@ the name (it is idempotent and cheap): loading a real flash implementation in be
 The name is also registered in `AttentionMaskInterface` with sdpa's mask function, so `generate` builds the same
 masks as with "sdpa" (CB builds none).
 
-Memory: beyond what CB budgets, a step holds transiently, per layer, the decode rows' keys and values padded to the
-longest decode row (2 x rows x longest x kv_heads x head_dim elements) and one [q, k] boolean mask per chunked-prefill
-row. That is far below the block-diagonal mask the stock path keeps (max_batch_tokens x cache tokens, model dtype).
+Memory: beyond what CB budgets, a step holds transiently, per layer, the decode rows' keys and values padded within
+their length group (at most about 2x the keys those rows read, which CB already budgets once; capped at 16 MiB on
+CPU in float32, where larger batches take the sparse path, whose scores take query heads x decode keys floats) and
+one [q, k] boolean mask per chunked-prefill row. That is far below the block-diagonal mask the stock path keeps
+(max_batch_tokens x cache tokens, model dtype) and its [heads, batch tokens, keys] scores.
 
 Unsupported under CB: attention sinks (`s_aux`), `softcap`, `position_bias`, `output_attentions` (none of them is
 used by Llama/Qwen2-like models); they raise instead of computing something else.
@@ -70,29 +78,22 @@ used by Llama/Qwen2-like models); they raise instead of computing something else
 from __future__ import annotations
 
 import threading
+import warnings
 import weakref
 from dataclasses import dataclass, field
 
 import torch
 
-ATTENTION_NAME = "cbs_varlen_noflash"
-"""The name to pass as `attn_implementation` once `register_attention()` has run."""
+from .backend import PER_REQUEST_ATTENTION as ATTENTION_NAME  # the name lives where the backend choice is made
 
-# transformers' continuous_batching.utils.attn_mask_is_needed: only these names get the big block-diagonal mask.
-_CB_MASKED_IMPLEMENTATIONS = ("sdpa", "paged|eager")
-
-ALLOCATES_ATTENTION_MASK = False
-"""Whether CB allocates (and budgets, and rebuilds every step) its attention mask for `ATTENTION_NAME`: it does not."""
+CB_CONFIG_OVERRIDES = {"use_cuda_graph": False}
+"""`ContinuousBatchingConfig` settings CB needs with `ATTENTION_NAME`. On CUDA/XPU CB would default to graphs (and
+async batching) for a name without mask, and this attention cannot be captured; on CPU the setting changes nothing."""
 
 _register_lock = threading.Lock()
 
-
-def cb_allocates_attention_mask(attn_implementation: str | None) -> bool:
-    """Whether transformers' CB allocates its [max_batch_tokens, cache tokens + max_batch_tokens] attention mask for
-    this implementation name (mirrors `continuous_batching.utils.attn_mask_is_needed`; eager is run as paged|eager).
-    The engine should budget KV memory for the mask only when this is True."""
-    name = "paged|eager" if attn_implementation == "eager" else attn_implementation
-    return name in _CB_MASKED_IMPLEMENTATIONS
+# torch says this once per process when the first CSR tensor is built (the decode path below uses two ops on them)
+warnings.filterwarnings("ignore", message="Sparse CSR tensor support is in beta state", category=UserWarning)
 
 
 def register_attention() -> str:
@@ -129,23 +130,93 @@ class _PrefillRow:
 
 
 @dataclass
+class _DecodeGroup:
+    """Decode rows (one query token each) served by one padded sdpa call."""
+
+    rows: int
+    longest: int
+    q_index: torch.Tensor | None  # [rows] query positions; None when they are 0..rows-1
+    k_index: torch.Tensor  # [rows * longest] key positions, padded with the row's first key
+    mask: torch.Tensor  # [rows, 1, 1, longest] bool, True = attend
+
+
+@dataclass
+class _SparseDecode:
+    """All decode rows as one block-sparse product: row (request i, query head g of a KV head) x its own keys."""
+
+    crow: torch.Tensor  # [kv_heads, rows * groups + 1] CSR row offsets
+    col: torch.Tensor  # [kv_heads, nnz] key positions
+    row_ids: torch.Tensor  # [nnz] CSR row of each stored score
+    lengths: torch.Tensor  # [rows * groups] keys per CSR row
+    zeros: torch.Tensor  # [kv_heads, nnz] placeholder values of the sampling pattern
+
+
+@dataclass
+class _DecodeRows:
+    """The decode rows of a step; their gather indices / sparsity pattern are built on first use (per layout)."""
+
+    q_pos: list[int]
+    k_starts: list[int]  # first key each row attends (sliding window applied)
+    k_lens: list[int]  # keys each row attends
+    q_index: torch.Tensor | None  # [rows] query positions of all decode rows; None when they are 0..rows-1
+    device: torch.device
+    _groups: list[_DecodeGroup] | None = None
+    _sparse: dict[tuple[int, int], _SparseDecode] = field(default_factory=dict)
+
+    @property
+    def rows(self) -> int:
+        return len(self.q_pos)
+
+    def groups(self) -> list[_DecodeGroup]:
+        if self._groups is None:
+            self._groups = [
+                _decode_group([self.q_pos[r] for r in group], [self.k_starts[r] for r in group],
+                              [self.k_lens[r] for r in group], self.device)
+                for group in _group_decode_rows(self.k_lens)
+            ]
+        return self._groups
+
+    def padded_slots(self) -> int:
+        return sum(group.rows * group.longest for group in self.groups())
+
+    def sparse(self, kv_heads: int, groups: int) -> _SparseDecode:
+        layout = (kv_heads, groups)
+        if layout not in self._sparse:
+            device = self.device
+            lengths = torch.tensor(self.k_lens, dtype=torch.long, device=device).repeat_interleave(groups)
+            starts = torch.tensor(self.k_starts, dtype=torch.long, device=device).repeat_interleave(groups)
+            crow = torch.zeros(lengths.numel() + 1, dtype=torch.long, device=device)
+            torch.cumsum(lengths, 0, out=crow[1:])
+            nnz = int(crow[-1])
+            row_ids = torch.repeat_interleave(torch.arange(lengths.numel(), device=device), lengths, output_size=nnz)
+            col = starts.index_select(0, row_ids) + torch.arange(nnz, device=device) - crow.index_select(0, row_ids)
+            self._sparse[layout] = _SparseDecode(
+                crow=crow.expand(kv_heads, -1).contiguous(), col=col.expand(kv_heads, -1).contiguous(),
+                row_ids=row_ids, lengths=lengths, zeros=torch.zeros(kv_heads, nnz, device=device),
+            )
+        return self._sparse[layout]
+
+
+@dataclass
 class _Plan:
     """Everything about one forward step's batch layout that does not depend on the layer."""
 
     total_q: int
     total_k: int
     covered_q: int  # query rows that belong to a request; the rest is padding
-    # Decode rows (query length 1), batched in one padded call
-    num_decode: int = 0
-    decode_q_index: torch.Tensor | None = None  # [n] query positions; None when they are 0..n-1
-    decode_k_index: torch.Tensor | None = None  # [n * longest] key positions, padded with 0
-    decode_mask: torch.Tensor | None = None  # [n, 1, 1, longest] bool, True = attend
-    decode_longest: int = 0
+    decode: _DecodeRows | None = None
     prefill: list[_PrefillRow] = field(default_factory=list)
 
-    @property
-    def decode_only(self) -> bool:
-        return self.num_decode == self.total_q and self.decode_q_index is None and not self.prefill
+
+# Padded decode: rows are padded to the longest key length of their group. Rows are split into groups (longest
+# first) when a row has at most half the keys of its group's longest and the split saves at least this many padded
+# key slots: the padding then stays under 2x the real keys (memory and work), for one more sdpa call per group.
+_MIN_SPLIT_SAVING = 2048
+# Sparse decode (CPU, float32/64): once the padded copy of the decode rows' keys and values would take this many
+# bytes, copying them (fresh large buffers page-fault on every layer) costs more than a block-sparse product that
+# reads them in place (sampled_addmm, then sparse.mm). Measured on 2 CPU cores: about 20k padded key slots for
+# 2 KV heads of 64 dims, 4k for 8 KV heads.
+_SPARSE_MIN_BYTES = 16 << 20
 
 
 def _row_mask(q_len: int, k_len: int, sliding_window: int | None, device: torch.device) -> torch.Tensor | None:
@@ -160,10 +231,36 @@ def _row_mask(q_len: int, k_len: int, sliding_window: int | None, device: torch.
     return mask
 
 
+def _group_decode_rows(k_lens: list[int]) -> list[list[int]]:
+    """Split decode rows (indices into k_lens) into groups of similar key length; rows keep their order in a group."""
+    order = sorted(range(len(k_lens)), key=lambda row: -k_lens[row])
+    groups, current, longest = [], [order[0]], k_lens[order[0]]
+    for position in range(1, len(order)):
+        row = order[position]
+        length = k_lens[row]
+        if 2 * length <= longest and (len(order) - position) * (longest - length) >= _MIN_SPLIT_SAVING:
+            groups.append(current)
+            current, longest = [], length
+        current.append(row)
+    groups.append(current)
+    return [sorted(group) for group in groups]
+
+
+def _decode_group(q_pos: list[int], k_starts: list[int], k_lens: list[int], device: torch.device) -> _DecodeGroup:
+    rows, longest = len(q_pos), max(k_lens)
+    q_index = None if q_pos == list(range(rows)) else torch.tensor(q_pos, dtype=torch.long, device=device)
+    starts = torch.tensor(k_starts, dtype=torch.long, device=device)
+    lengths = torch.tensor(k_lens, dtype=torch.long, device=device)
+    positions = torch.arange(longest, device=device)
+    valid = positions[None, :] < lengths[:, None]  # [rows, longest]
+    k_index = (starts[:, None] + torch.where(valid, positions[None, :], 0)).reshape(-1)
+    return _DecodeGroup(rows=rows, longest=longest, q_index=q_index, k_index=k_index, mask=valid[:, None, None, :])
+
+
 def _build_plan(
     cu_q: list[int], cu_k: list[int], total_q: int, total_k: int, sliding_window: int | None, device: torch.device
 ) -> _Plan:
-    plan = _Plan(total_q=total_q, total_k=total_k, covered_q=cu_q[-1])
+    plan = _Plan(total_q=total_q, total_k=total_k, covered_q=cu_q[-1] - cu_q[0])
     decode_q: list[int] = []
     decode_k_start: list[int] = []
     decode_k_len: list[int] = []
@@ -172,44 +269,44 @@ def _build_plan(
         k_start, k_len = cu_k[i], cu_k[i + 1] - cu_k[i]
         if q_len == 0:  # padding sequence (CUDA graphs / compile pad the batch with empty sequences)
             continue
-        if k_len < q_len:
-            raise ValueError(f"Request {i} has {q_len} query tokens but only {k_len} keys: not a CB batch layout")
+        if k_len < q_len or q_start + q_len > total_q or k_start + k_len > total_k:
+            raise ValueError(f"Request {i}: {q_len} queries at {q_start}, {k_len} keys at {k_start} do not fit a "
+                             f"CB batch of {total_q} queries and {total_k} keys")
         if q_len == 1:
+            # The single query sits at key position k_len - 1: a sliding window keeps the last `window` keys
+            skipped = k_len - sliding_window if sliding_window and k_len > sliding_window else 0
             decode_q.append(q_start)
-            decode_k_start.append(k_start)
-            decode_k_len.append(k_len)
+            decode_k_start.append(k_start + skipped)
+            decode_k_len.append(k_len - skipped)
         else:
             mask = _row_mask(q_len, k_len, sliding_window, device)
             plan.prefill.append(_PrefillRow(q_start, q_len, k_start, k_len, mask))
-
-    n = len(decode_q)
-    if n:
-        plan.num_decode = n
-        longest = max(decode_k_len)
-        plan.decode_longest = longest
-        if decode_q != list(range(n)):
-            plan.decode_q_index = torch.tensor(decode_q, dtype=torch.long, device=device)
-        starts = torch.tensor(decode_k_start, dtype=torch.long, device=device)
-        lengths = torch.tensor(decode_k_len, dtype=torch.long, device=device)
-        positions = torch.arange(longest, device=device)
-        valid = positions[None, :] < lengths[:, None]  # [n, longest]
-        if sliding_window:  # the single query sits at key position k_len - 1
-            valid &= positions[None, :] > lengths[:, None] - 1 - sliding_window
-        plan.decode_k_index = torch.where(valid, starts[:, None] + positions[None, :], 0).reshape(-1)
-        plan.decode_mask = valid[:, None, None, :]
+    if decode_q:
+        rows = len(decode_q)
+        q_index = None if decode_q == list(range(rows)) else torch.tensor(decode_q, dtype=torch.long, device=device)
+        plan.decode = _DecodeRows(decode_q, decode_k_start, decode_k_len, q_index, device)
     return plan
 
 
 class _PlanCache(threading.local):
     """The plan of the current step, per thread. Keyed on the very `cu_seq_lens` tensors CB passes to every layer of a
-    step (checked alive through weak references, so a recycled `id` never matches) and on their version counter (CB
-    writes the lengths in place into a static buffer, which bumps the counter shared with every view of it)."""
+    step (checked alive through weak references, so a recycled `id` never matches; CB makes new views of its static
+    buffers at every step) and on a fingerprint of their content: the version counter (bumped by any in-place write,
+    shared with every view of the buffer), or, for inference-mode tensors which have none, the values themselves
+    on CPU (cheap) and nothing more than identity on an accelerator (reading them would synchronize every layer)."""
 
     def __init__(self) -> None:
         self.entries: list[tuple] = []
 
 
 _plans = _PlanCache()
+
+
+def _fingerprint(tensor: torch.Tensor):
+    try:
+        return tensor._version
+    except RuntimeError:  # "Inference tensors do not track version counter"
+        return tuple(tensor.tolist()) if tensor.device.type == "cpu" else None
 
 
 def _get_plan(
@@ -220,13 +317,13 @@ def _get_plan(
     sliding_window: int | None,
     device: torch.device,
 ) -> _Plan:
-    versions = (cu_seq_lens_q._version, cu_seq_lens_k._version, total_q, total_k, sliding_window)
-    for ref_q, ref_k, key, plan in _plans.entries:
-        if ref_q() is cu_seq_lens_q and ref_k() is cu_seq_lens_k and key == versions:
+    key = (_fingerprint(cu_seq_lens_q), _fingerprint(cu_seq_lens_k), total_q, total_k, sliding_window)
+    for ref_q, ref_k, entry_key, plan in _plans.entries:
+        if ref_q() is cu_seq_lens_q and ref_k() is cu_seq_lens_k and entry_key == key:
             return plan
     plan = _build_plan(cu_seq_lens_q.tolist(), cu_seq_lens_k.tolist(), total_q, total_k, sliding_window, device)
     # A few entries: hybrid models alternate full and sliding layers (two cu_seq_lens_k, two windows) in one step
-    _plans.entries = [(weakref.ref(cu_seq_lens_q), weakref.ref(cu_seq_lens_k), versions, plan), *_plans.entries[:3]]
+    _plans.entries = [(weakref.ref(cu_seq_lens_q), weakref.ref(cu_seq_lens_k), key, plan), *_plans.entries[:3]]
     return plan
 
 
@@ -248,6 +345,55 @@ def _layer_cu_seq_lens_k(module: torch.nn.Module, cu_seq_lens_k):
     return cu_seq_lens_k[layer_type]
 
 
+def _padded_decode(group: _DecodeGroup, q_tokens: torch.Tensor, k_tokens: torch.Tensor, v_tokens: torch.Tensor,
+                   scaling: float | None, dropout: float) -> torch.Tensor:
+    """One sdpa call for a group of decode rows, keys and values copied into a padded [rows, kv_heads, longest, dim]
+    layout with a key-padding mask; GQA is left to sdpa. Returns [rows, heads, dim]."""
+    rows, longest = group.rows, group.longest
+    q_rows = q_tokens[:rows] if group.q_index is None else q_tokens.index_select(0, group.q_index)
+    k_rows = k_tokens.index_select(0, group.k_index).view(rows, longest, k_tokens.shape[1], k_tokens.shape[2])
+    v_rows = v_tokens.index_select(0, group.k_index).view(rows, longest, v_tokens.shape[1], v_tokens.shape[2])
+    return torch.nn.functional.scaled_dot_product_attention(
+        q_rows.unsqueeze(2),  # [rows, heads, 1, dim]
+        k_rows.transpose(1, 2),  # [rows, kv_heads, longest, dim]
+        v_rows.transpose(1, 2),
+        attn_mask=group.mask,  # [rows, 1, 1, longest]
+        dropout_p=dropout,
+        scale=scaling,
+        enable_gqa=q_tokens.shape[1] != k_tokens.shape[1],
+    ).squeeze(2)
+
+
+def _sparse_decode(layout: _SparseDecode, q_rows: torch.Tensor, k_tokens: torch.Tensor, v_tokens: torch.Tensor,
+                   scaling: float | None) -> torch.Tensor:
+    """Decode rows without copying keys: per KV head, scores only where a query row meets its own keys
+    (`sampled_addmm` on the block-sparse pattern), a softmax per row, then `sparse.mm` with the values.
+    q_rows [rows, heads, dim], k/v_tokens [total_k, kv_heads, dim]; returns [rows, heads, dim]."""
+    rows, heads, dim = q_rows.shape
+    total_k, kv_heads, v_dim = v_tokens.shape
+    groups = heads // kv_heads
+    scale = dim**-0.5 if scaling is None else scaling
+    size = (kv_heads, rows * groups, total_k)
+    # Query head h reads KV head h // groups, as in repeat_kv / enable_gqa
+    queries = q_rows.reshape(rows, kv_heads, groups, dim).transpose(0, 1).reshape(kv_heads, rows * groups, dim)
+    pattern = torch.sparse_csr_tensor(layout.crow, layout.col, layout.zeros.to(q_rows.dtype), size=size,
+                                      check_invariants=False)
+    scores = torch.sparse.sampled_addmm(pattern, queries, k_tokens.permute(1, 2, 0), beta=0.0, alpha=scale)
+    scores = scores.values()  # [kv_heads, nnz]
+    row_max = torch.segment_reduce(scores.t(), "max", lengths=layout.lengths, axis=0)  # [rows * groups, kv_heads]
+    weights = (scores - row_max.t().index_select(1, layout.row_ids)).exp_()
+    row_sum = torch.segment_reduce(weights.t(), "sum", lengths=layout.lengths, axis=0)
+    weights /= row_sum.t().index_select(1, layout.row_ids)
+    crow, col = layout.crow[0], layout.col[0]
+    values = v_tokens.transpose(0, 1)  # [kv_heads, total_k, v_dim]
+    out = torch.stack([
+        torch.sparse.mm(torch.sparse_csr_tensor(crow, col, weights[h], size=size[1:], check_invariants=False),
+                        values[h])
+        for h in range(kv_heads)
+    ])  # [kv_heads, rows * groups, v_dim]
+    return out.view(kv_heads, rows, groups, v_dim).transpose(0, 1).reshape(rows, heads, v_dim)
+
+
 @torch.compiler.disable
 def _varlen_attention(
     query: torch.Tensor,  # [1, heads, total_q, dim]
@@ -266,45 +412,47 @@ def _varlen_attention(
         )
     if query.shape[0] != 1:
         raise ValueError(f"Continuous batching packs the batch in one row; got query of shape {tuple(query.shape)}")
-    _, heads, total_q, dim = query.shape
+    _, heads, total_q, _ = query.shape
     total_k = key.shape[2]
     sliding_window = sliding_window if sliding_window and sliding_window > 0 else None
     plan = _get_plan(cu_seq_lens_q, cu_seq_lens_k, total_q, total_k, sliding_window, query.device)
-    enable_gqa = key.shape[1] != heads
+    enable_gqa = key.shape[1] != heads  # prefill rows; decode rows decide in their helpers
 
     # Token-major views: CB hands q/k/v as transposes of [tokens, heads, dim] buffers, so these are free.
     q_tokens = query[0].transpose(0, 1)  # [total_q, heads, dim]
     k_tokens = key[0].transpose(0, 1)  # [total_k, kv_heads, dim]
     v_tokens = value[0].transpose(0, 1)
 
-    decode_out = None
-    if plan.num_decode:
-        n, longest = plan.num_decode, plan.decode_longest
-        q_rows = q_tokens[:n] if plan.decode_q_index is None else q_tokens.index_select(0, plan.decode_q_index)
-        k_rows = k_tokens.index_select(0, plan.decode_k_index).view(n, longest, -1, dim).transpose(1, 2)
-        v_rows = v_tokens.index_select(0, plan.decode_k_index).view(n, longest, -1, v_tokens.shape[-1]).transpose(1, 2)
-        decode_out = torch.nn.functional.scaled_dot_product_attention(
-            q_rows.unsqueeze(2),  # [n, heads, 1, dim]
-            k_rows,  # [n, kv_heads, longest, dim]
-            v_rows,
-            attn_mask=plan.decode_mask,  # [n, 1, 1, longest]
-            dropout_p=dropout,
-            scale=scaling,
-            enable_gqa=enable_gqa,
-        ).squeeze(2)  # [n, heads, dim]
-        if plan.decode_only:
-            return decode_out.unsqueeze(0)
+    # Decode rows: (query positions or None for 0..rows-1, rows, output [rows, heads, dim]) per call
+    decode_outputs: list[tuple[torch.Tensor | None, int, torch.Tensor]] = []
+    decode = plan.decode
+    if decode is not None:
+        sparse = (
+            query.device.type == "cpu" and query.dtype in (torch.float32, torch.float64) and not dropout
+            and decode.rows > 1
+            and decode.padded_slots() * key.shape[1] * (key.shape[-1] + value.shape[-1]) * key.element_size()
+            >= _SPARSE_MIN_BYTES
+        )
+        if sparse:
+            q_rows = q_tokens[: decode.rows] if decode.q_index is None else q_tokens.index_select(0, decode.q_index)
+            layout = decode.sparse(key.shape[1], heads // key.shape[1])
+            decode_outputs.append((decode.q_index, decode.rows,
+                                   _sparse_decode(layout, q_rows, k_tokens, v_tokens, scaling)))
+        else:
+            for group in decode.groups():
+                decode_outputs.append((group.q_index, group.rows,
+                                       _padded_decode(group, q_tokens, k_tokens, v_tokens, scaling, dropout)))
+        if len(decode_outputs) == 1 and not plan.prefill and decode_outputs[0][0] is None and decode.rows == total_q:
+            return decode_outputs[0][2].unsqueeze(0)  # decode only: the rows are the output, in order
 
     out_dim = value.shape[-1]
-    if plan.covered_q < total_q or plan.num_decode + sum(r.q_len for r in plan.prefill) < total_q:
-        out = query.new_zeros(total_q, heads, out_dim)
-    else:
-        out = query.new_empty(total_q, heads, out_dim)
-    if decode_out is not None:
-        if plan.decode_q_index is None:
-            out[: plan.num_decode] = decode_out
+    out = query.new_zeros(total_q, heads, out_dim) if plan.covered_q < total_q else query.new_empty(
+        total_q, heads, out_dim)
+    for q_index, rows, rows_out in decode_outputs:
+        if q_index is None:
+            out[:rows] = rows_out
         else:
-            out.index_copy_(0, plan.decode_q_index, decode_out)
+            out.index_copy_(0, q_index, rows_out)
     for row in plan.prefill:
         q_row = query[:, :, row.q_start : row.q_start + row.q_len]
         k_row = key[:, :, row.k_start : row.k_start + row.k_len]

@@ -19,8 +19,8 @@ DEFAULT_MODEL_ID = "Qwen/Qwen2.5-0.5B-Instruct"
 DEVICES = ("auto", "cpu", "cuda", "mps")
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 # Our own per-request attention path (engine.attention) next to the names transformers' CB accepts.
-ATTENTION_CHOICES = ("auto", "sdpa", "paged|eager", "cbs_varlen", "flash_attention_2", "flash_attention_3",
-                     "kernels-community/metal-flash-sdpa")
+ATTENTION_CHOICES = ("auto", "sdpa", "paged|eager", "cbs_varlen (ours: per-request sdpa)", "flash_attention_2",
+                     "flash_attention_3", "kernels-community/metal-flash-sdpa")
 MAX_STOP_STRINGS = 16
 MAX_TEMPERATURE = 10.0
 

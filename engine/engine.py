@@ -25,7 +25,7 @@ import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
-from .backend import BackendChoice, DeviceFacts, probe_device_facts, select_backend
+from .backend import PER_REQUEST_ATTENTION, BackendChoice, DeviceFacts, probe_device_facts, select_backend
 from .config import EngineConfig, SamplingParams
 from .loader import LoadedModel, load_model
 from .prompts import PreparedPrompt, PromptError, build_messages, prepare_prompt, template_takes_thinking
@@ -72,9 +72,7 @@ class Engine:
         self.backend: BackendChoice | None = None
         self.loaded: LoadedModel | None = None
         self.attention_in_use: str | None = None
-        self.context_tokens = 0
-        self.kv_cache_bytes = 0
-        self._num_blocks = 0
+        self._cache_plan = None
         self._eos_ids: list[int] = []
         self.default_sampling = SamplingParams()
         self._manager = None
@@ -102,10 +100,6 @@ class Engine:
         facts = self._facts or probe_device_facts()
         self.backend = select_backend(self.config, facts)
         logger.info(self.backend.summary())
-        if self.backend.attn_implementation == "cbs_varlen":
-            from .attention import register_attention
-
-            register_attention()
         self.loaded = load_model(self.config, self.backend)
         self._read_model_facts(facts)
         self._batch_slots = threading.BoundedSemaphore(self.backend.max_batch_inflight)
@@ -117,32 +111,20 @@ class Engine:
 
     def _read_model_facts(self, facts: DeviceFacts) -> None:
         import torch
-        from transformers.generation.continuous_batching.utils import find_head_dim, find_num_key_value_heads
+
+        from .kv_cache import attention_needs_mask, plan_kv_cache
 
         model, tokenizer = self.loaded.model, self.loaded.tokenizer
-        text_config = model.config.get_text_config()
-        bytes_per_token = (text_config.num_hidden_layers * 2 * find_num_key_value_heads(text_config)
-                           * find_head_dim(text_config) * model.dtype.itemsize)
         budget = self.backend.kv_cache_bytes
         if budget is None:
             free = torch.cuda.mem_get_info()[0] if torch.cuda.is_available() else facts.ram_available_bytes
             budget = int(free * self.backend.kv_cache_fraction)
-        # transformers' sdpa/eager paths also keep a [batch tokens x cache tokens] mask: it comes out of the budget.
-        mask_bytes_per_token = 0
-        if self.backend.attn_implementation in ("sdpa", "paged|eager"):
-            mask_bytes_per_token = self.backend.max_batch_tokens * model.dtype.itemsize
-        context = getattr(text_config, "max_position_embeddings", None) or 4096
-        page = self.backend.page_size
-        # More cache than every in-flight request at full context could use is wasted memory.
-        useful_tokens = context * max(self.backend.max_batch_inflight, 16)
-        cache_tokens = min(budget // (bytes_per_token + mask_bytes_per_token), useful_tokens)
-        self._num_blocks = max(2, cache_tokens // page)
-        cache_tokens = self._num_blocks * page
-        self.kv_cache_bytes = cache_tokens * (bytes_per_token + mask_bytes_per_token)
-        self.context_tokens = min(context, cache_tokens)
-        logger.info("KV cache: %d blocks of %d tokens, %.3f GiB with its attention mask (budget %s); context %d "
-                    "tokens", self._num_blocks, page, self.kv_cache_bytes / GIB, self.backend.reasons["kv_cache"],
-                    self.context_tokens)
+        attention = self.backend.attn_implementation
+        self._cache_plan = plan_kv_cache(
+            model.config.get_text_config(), model.dtype.itemsize, budget, self.backend.page_size,
+            self.backend.max_batch_tokens, attention_has_mask=attention_needs_mask(attention),
+            flash_like="flash" in attention, max_inflight=self.backend.max_batch_inflight)
+        self._log_cache_plan()
 
         generation_config = model.generation_config
         eos = generation_config.eos_token_id
@@ -158,6 +140,21 @@ class Engine:
             max_new_tokens=self.config.max_new_tokens,
         )
 
+    def _log_cache_plan(self) -> None:
+        plan = self._cache_plan
+        logger.info("KV cache: %d blocks of %d tokens (%d tokens), %.3f GiB with the tensors that scale with it "
+                    "(%s); longest request %d tokens", plan.num_blocks, plan.page_size, plan.cache_tokens,
+                    plan.bytes_total / GIB, self.backend.reasons["kv_cache"], plan.context_tokens)
+
+    @property
+    def context_tokens(self) -> int:
+        """The longest prompt plus answer one request may have (the model's context, or the cache if smaller)."""
+        return self._cache_plan.context_tokens if self._cache_plan else 0
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        return self._cache_plan.bytes_total if self._cache_plan else 0
+
     def _build_manager(self):
         from transformers import ContinuousBatchingConfig
 
@@ -171,17 +168,29 @@ class Engine:
         generation_config.max_new_tokens = self.config.max_new_tokens
         generation_config.eos_token_id = self._eos_ids or None
         cb_config = ContinuousBatchingConfig(
-            num_blocks=self._num_blocks,
+            num_blocks=self._cache_plan.num_blocks,
             max_batch_tokens=self.backend.max_batch_tokens,
             page_size=self.backend.page_size,
-            use_cuda_graph=self.config.use_cuda_graph,
+            # Our per-request attention reads lengths on the host: it cannot be captured in a CUDA graph.
+            use_cuda_graph=False if self.backend.attn_implementation == PER_REQUEST_ATTENTION
+            else self.config.use_cuda_graph,
             # An explicit choice of sdpa means the stock path: do not let CB swap it for flash behind our back.
             auto_switch_to_flash=self.config.attn_implementation == "auto",
         )
         manager = model.init_continuous_batching(generation_config=generation_config,
                                                  continuous_batching_config=cb_config)
         install_sampler(manager)
-        manager.warmup()  # builds the cache here, so a bad size fails now and loudly, not inside the loop thread
+        try:
+            manager.warmup()  # builds the cache here, so a bad size fails now and loudly, not in the loop thread
+        except MemoryError as error:
+            # CB also reserves activation memory that depends on the model; halve the cache until it fits.
+            manager.stop(block=True, timeout=5) if manager.is_running() else None
+            if self._cache_plan.num_blocks <= 2:
+                raise
+            logger.warning("%s: halving the KV cache", error)
+            self._cache_plan = self._cache_plan.shrunk(0.5)
+            self._log_cache_plan()
+            return self._build_manager()
         manager.start()
         self.attention_in_use = model.config._attn_implementation
         return manager

@@ -14,7 +14,7 @@ import threading
 import time
 from dataclasses import dataclass
 
-from .backend import BackendChoice
+from .backend import PER_REQUEST_ATTENTION, BackendChoice
 from .config import EngineConfig
 from .tiny_model import is_tiny_model, resolve_tiny_alias
 
@@ -85,8 +85,12 @@ def load_model(config: EngineConfig, backend: BackendChoice) -> LoadedModel:
     if not os.path.isdir(source) and not hub_reachable():
         logger.warning("The Hugging Face Hub is unreachable: loading %s from the local cache only", source)
         common["local_files_only"] = True
-    # Load directly with the attention CB will use; our own path is registered before (engine.attention).
+    # Load directly with the attention CB will use; our own path must be registered right before (engine.attention).
     attn = backend.attn_implementation
+    if attn == PER_REQUEST_ATTENTION:
+        from .attention import register_attention
+
+        register_attention()
     try:
         tokenizer = AutoTokenizer.from_pretrained(source, **common)
         model = AutoModelForCausalLM.from_pretrained(

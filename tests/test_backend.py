@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine.backend import METAL_FLASH_KERNEL, DeviceFacts, select_backend
+from engine.backend import METAL_FLASH_KERNEL, PER_REQUEST_ATTENTION, DeviceFacts, select_backend
 from engine.config import EngineConfig
 
 GIB = 1024**3
@@ -20,7 +20,7 @@ def test_cuda_with_flash_lets_cb_switch_from_sdpa():
 
 def test_cuda_without_flash():
     choice = select_backend(EngineConfig(), CUDA)
-    assert choice.device == "cuda" and choice.attn_implementation in ("sdpa", "cbs_varlen")
+    assert choice.device == "cuda" and choice.attn_implementation == "sdpa"
     assert "no flash" in choice.reasons["attention"]
 
 
@@ -53,7 +53,7 @@ def test_mps_with_too_old_kernels_falls_back_and_says_why():
 
 def test_cpu_sizes_cache_and_batch_tokens_explicitly():
     choice = select_backend(EngineConfig(), DeviceFacts(ram_available_bytes=16 * GIB))
-    assert (choice.device, choice.dtype) == ("cpu", "float32")
+    assert (choice.device, choice.dtype, choice.attn_implementation) == ("cpu", "float32", PER_REQUEST_ATTENTION)
     assert choice.max_batch_tokens == 512  # not CB's 8192 default, which can crash the loop on CPU
     assert choice.kv_cache_bytes == int(16 * GIB * 0.2)
     assert choice.page_size == 32
@@ -78,3 +78,9 @@ def test_explicit_device_that_is_missing_is_an_error():
 def test_summary_names_choices_and_reasons():
     line = select_backend(EngineConfig(), DeviceFacts()).summary()
     assert "device=cpu" in line and "dtype=float32" in line and "attention=" in line
+
+
+def test_per_request_alias_and_stock_opt_out():
+    assert select_backend(EngineConfig(attn_implementation="cbs_varlen"), DeviceFacts()).attn_implementation == \
+        PER_REQUEST_ATTENTION
+    assert select_backend(EngineConfig(attn_implementation="sdpa"), DeviceFacts()).attn_implementation == "sdpa"
