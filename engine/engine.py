@@ -159,6 +159,7 @@ class Engine:
         from transformers import ContinuousBatchingConfig
 
         from .sampling import install_sampler
+        from .scheduler import register_scheduler
 
         model = self.loaded.model
         generation_config = copy.deepcopy(model.generation_config)
@@ -176,6 +177,7 @@ class Engine:
             else self.config.use_cuda_graph,
             # An explicit choice of sdpa means the stock path: do not let CB swap it for flash behind our back.
             auto_switch_to_flash=self.config.attn_implementation == "auto",
+            scheduler_type=register_scheduler(),  # chat requests are prefilled ahead of waiting dataset rows
         )
         manager = model.init_continuous_batching(generation_config=generation_config,
                                                  continuous_batching_config=cb_config)
@@ -322,10 +324,12 @@ class Engine:
                               enable_thinking=enable_thinking, drop_old_turns=drop_old_turns)
 
     def _submit(self, prepared: PreparedPrompt, sampling: _ResolvedSampling, streaming: bool,
-                on_end=None) -> RequestHandle:
+                on_end=None, interactive: bool = True) -> RequestHandle:
         from .sampling import sampling_kwargs
+        from .scheduler import INTERACTIVE_PREFIX
 
-        request_id = f"cbs-{next(self._ids)}"
+        # The id tells the scheduler (engine.scheduler) whether this is a chat request or a dataset row.
+        request_id = f"{INTERACTIVE_PREFIX if interactive else 'row-'}{next(self._ids)}"
 
         def end(handle: RequestHandle) -> None:
             self._forget(handle)
@@ -444,7 +448,7 @@ class Engine:
         sampling = self._resolve(item.params)
         prepared = self.prepare(prompt=item.prompt, messages=item.messages, system_prompt=item.system_prompt,
                                 enable_thinking=item.enable_thinking, max_new_tokens=sampling.max_new_tokens)
-        return self._submit(prepared, sampling, streaming=False, on_end=on_end)
+        return self._submit(prepared, sampling, streaming=False, on_end=on_end, interactive=False)
 
     def _add_waiting(self, count: int) -> None:
         with self._rows_lock:
