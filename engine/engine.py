@@ -186,7 +186,7 @@ class Engine:
             manager.warmup()  # builds the cache here, so a bad size fails now and loudly, not in the loop thread
         except MemoryError as error:
             # CB also reserves activation memory that depends on the model; halve the cache until it fits.
-            manager.stop(block=True, timeout=5) if manager.is_running() else None
+            # (The manager was never started, so there is no thread to stop.)
             if self._cache_plan.num_blocks <= 2:
                 raise
             logger.warning("%s: halving the KV cache", error)

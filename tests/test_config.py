@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import subprocess
 import sys
 
@@ -56,16 +57,30 @@ def test_stop_strings_are_normalised():
         SamplingParams(stop=[1, 2])
 
 
-@pytest.mark.parametrize("command", [[sys.executable, "app.py", "--help"], [sys.executable, "-m", "engine.cli",
-                                                                             "--help"]])
-def test_help_answers_without_loading_a_model(command):
-    code = ("import runpy, sys; sys.argv = {argv!r}; "
-            "exec('try:\\n runpy.run_path(sys.argv[0], run_name=\"__main__\") if sys.argv[0].endswith(\".py\") "
-            "else runpy.run_module(\"engine.cli\", run_name=\"__main__\")\\nexcept SystemExit: pass'); "
-            "print('TORCH_LOADED' if 'torch' in sys.modules else 'TORCH_NOT_LOADED')")
-    argv = [command[-2] if command[1] != "-m" else "engine.cli", "--help"]
-    result = subprocess.run([sys.executable, "-c", code.format(argv=argv)], capture_output=True, text=True,
-                            timeout=60)
+_HELP_PROBE = """
+import runpy, sys
+sys.argv = [{target!r}, "--help"]
+try:
+    runpy.{runner}({target!r}, run_name="__main__")
+except SystemExit:
+    pass
+print("TORCH_LOADED" if "torch" in sys.modules else "TORCH_NOT_LOADED")
+"""
+
+
+@pytest.mark.parametrize("runner,target", [("run_path", "app.py"), ("run_module", "engine.cli")])
+def test_help_answers_without_loading_a_model(runner, target):
+    probe = _HELP_PROBE.format(runner=runner, target=target)
+    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
     assert "--model-id" in result.stdout and "--max-batch-tokens" in result.stdout
-    assert "TORCH_NOT_LOADED" in result.stdout
+    assert "TORCH_NOT_LOADED" in result.stdout  # no torch, no model: --help is instant
+
+
+def test_app_without_the_model_exits_with_advice_not_a_traceback(model_cache):
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    result = subprocess.run([sys.executable, "app.py", "--model-id", "no-such-org/no-such-model", "--device", "cpu"],
+                            capture_output=True, text=True, timeout=120, env=env)
+    assert result.returncode == 2
+    assert "--model-id tiny-random" in result.stderr and "--model-id PATH" in result.stderr
+    assert "Traceback" not in result.stderr
