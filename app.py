@@ -61,7 +61,10 @@ def _sampling(temperature, top_p, top_k, max_new_tokens, stop_text=None, seed=No
     """SamplingParams from UI values; invalid values become a gr.Error shown in the page."""
 
     def number(value, kind):
-        return None if value is None or value == "" else kind(value)
+        return None if value is None or str(value).strip() == "" else kind(value)
+
+    if seed is not None and str(seed).strip() and not str(seed).strip().isdigit():
+        raise gr.Error(f"Seed must be a whole number >= 0 (or empty for a random seed), not {seed!r}.")
 
     try:
         return SamplingParams(temperature=number(temperature, float), top_p=number(top_p, float),
@@ -84,17 +87,34 @@ def history_to_messages(history: list[dict]) -> list[dict]:
     return messages
 
 
+class _ChatRun:
+    """One streaming reply of one session: what Stop and Clear act on."""
+
+    def __init__(self) -> None:
+        self.stopped = threading.Event()
+        self.cleared = False
+        self.stream = None  # the engine's RequestStream once the request is submitted
+
+
 class ChatHandlers:
     """The chat tab's event functions, bound to the engine."""
 
     def __init__(self, engine) -> None:
         self.engine = engine
 
-    def stream_reply(self, history, system_prompt, temperature, top_p, top_k, max_new_tokens, stop_text,
+    def stream_reply(self, history, run, system_prompt, temperature, top_p, top_k, max_new_tokens, stop_text,
                      thinking) -> Iterator[list[dict]]:
-        """Stream the assistant's answer to the last user message; Stop (closing this generator) cancels it."""
+        """Stream the assistant's answer to the last user message.
+
+        `run` is the session's gr.State dict: Stop and Clear cancel the engine request through it (see `stop`), so
+        this generator ends normally. Gradio's own `cancels=` is not used for that: cancelling a streaming event
+        races in Gradio's frontend and can leave the Chatbot covered by an "Error" badge (seen with Gradio 6.31).
+        """
         from engine.prompts import PromptError
 
+        current = _ChatRun()
+        if isinstance(run, dict):
+            run["current"] = current
         params = _sampling(temperature, top_p, top_k, max_new_tokens, stop_text)
         messages = history_to_messages(history)
         if not messages or messages[-1]["role"] != "user":
@@ -104,6 +124,9 @@ class ChatHandlers:
                                         enable_thinking=bool(thinking) if self.engine.supports_thinking else None)
         except PromptError as error:
             raise gr.Error(str(error)) from None
+        current.stream = stream
+        if current.stopped.is_set():  # Stop pressed while the request was being prepared
+            stream.cancel()
         history = list(history)
         reasoning: dict | None = None
         answer: dict | None = None
@@ -121,9 +144,14 @@ class ChatHandlers:
                         answer = {"role": "assistant", "content": ""}
                         history.append(answer)
                     answer["content"] += delta.text
+                if current.cleared:
+                    break
                 yield history
         finally:
-            stream.close()  # Stop pressed or tab closed: cancel the engine request and free its cache blocks
+            stream.close()  # tab closed (Gradio closes the generator) or Clear: cancel the request, free its blocks
+        if current.cleared:
+            yield []  # this run's last output, so nothing it streamed earlier can bring the cleared chat back
+            return
         result = stream.result
         if reasoning is not None:
             reasoning["metadata"] = {"title": REASONING_TITLE, "status": "done",
@@ -138,9 +166,28 @@ class ChatHandlers:
         yield history
 
     @staticmethod
+    def stop(run, clear: bool = False) -> None:
+        """Stop (or Clear): cancel the session's streaming reply; its generator then ends with what it has."""
+        current = (run or {}).get("current")
+        if current is None:
+            return
+        current.cleared = current.cleared or clear
+        current.stopped.set()
+        if current.stream is not None:
+            current.stream.cancel()
+
+    @classmethod
+    def clear(cls, run) -> list:
+        cls.stop(run, clear=True)
+        return []
+
+    @staticmethod
     def add_user_message(message, history):
+        # A warning, not gr.Error: an error would cover the whole conversation with Gradio's "Error" badge.
+        # stream_reply then finds no new user message (or retries one left unanswered) and ends at once.
         if not (message or "").strip():
-            raise gr.Error("Type a message first.")
+            gr.Warning("Type a message first.")
+            return gr.update(), gr.update()
         return "", [*(history or []), {"role": "user", "content": message}]
 
     @staticmethod
@@ -150,7 +197,7 @@ class ChatHandlers:
         while history and history[-1]["role"] == "assistant":
             history.pop()
         if not history:
-            raise gr.Error("Nothing to regenerate yet.")
+            gr.Warning("Nothing to regenerate yet.")  # and stream_reply has nothing to answer
         return history
 
     def api_chat(self, message: str, system_prompt: str = "", temperature: float | None = None,
@@ -362,31 +409,35 @@ def build_app(engine, app_config: AppConfig | None = None) -> gr.Blocks:
             with gr.Row():
                 regenerate = gr.Button("Regenerate", size="sm", elem_id="chat-regenerate")
                 clear = gr.Button("Clear", size="sm", elem_id="chat-clear")
-            with gr.Accordion("Settings", open=False):
+            with gr.Accordion("Settings", open=False, elem_id="chat-settings"):
                 system_prompt = gr.Textbox(label="System prompt", lines=2, placeholder="Optional")
                 with gr.Row():
                     temperature = gr.Slider(0.0, 2.0, value=defaults.temperature, step=0.05, label="Temperature",
-                                            info="0 = greedy")
+                                            info="0 = greedy", elem_id="chat-temperature")
                     top_p = gr.Slider(0.05, 1.0, value=defaults.top_p, step=0.05, label="Top-p")
                     top_k = gr.Slider(0, 200, value=defaults.top_k, step=1, label="Top-k", info="0 = off")
                     max_new_tokens = gr.Slider(1, max(engine.context_tokens - 1, 1),
                                                value=min(defaults.max_new_tokens, engine.context_tokens - 1),
-                                               step=1, label="Max new tokens")
+                                               step=1, label="Max new tokens", elem_id="chat-max-tokens")
                 with gr.Row():
                     stop_text = gr.Textbox(label="Stop strings", lines=2, placeholder="One per line")
                     thinking = gr.Checkbox(label="Thinking", value=True, interactive=engine.supports_thinking,
+                                           elem_id="chat-thinking",
                                            info=None if engine.supports_thinking else
                                            "This model's chat template has no thinking switch")
             chat_settings = [system_prompt, temperature, top_p, top_k, max_new_tokens, stop_text, thinking]
+            chat_run = gr.State({})  # this session's streaming reply, for Stop and Clear
             # Gradio's default concurrency of 1 per event would serve chats one at a time: the engine batches them.
             streaming = {"concurrency_limit": app_config.chat_concurrency, **UI_ONLY}
+            # Queued (not queue=False): toasts from gr.Warning/gr.Info only reach the page from queued events.
+            quick = {"concurrency_limit": None, **UI_ONLY}
             submitted = gr.on([message.submit, send.click], chat.add_user_message, [message, chatbot],
-                              [message, chatbot], queue=False, **UI_ONLY)
-            reply = submitted.then(chat.stream_reply, [chatbot, *chat_settings], chatbot, **streaming)
-            again = regenerate.click(chat.drop_last_answer, chatbot, chatbot, queue=False, **UI_ONLY).then(
-                chat.stream_reply, [chatbot, *chat_settings], chatbot, **streaming)
-            stop.click(None, cancels=[reply, again], **UI_ONLY)
-            clear.click(lambda: [], None, chatbot, cancels=[reply, again], queue=False, **UI_ONLY)
+                              [message, chatbot], **quick)
+            submitted.then(chat.stream_reply, [chatbot, chat_run, *chat_settings], chatbot, **streaming)
+            regenerate.click(chat.drop_last_answer, chatbot, chatbot, **quick).then(
+                chat.stream_reply, [chatbot, chat_run, *chat_settings], chatbot, **streaming)
+            stop.click(chat.stop, chat_run, None, queue=False, **UI_ONLY)
+            clear.click(chat.clear, chat_run, chatbot, queue=False, **UI_ONLY)
 
         with gr.Tab("Dataset", id="dataset"):
             state = gr.State({})
@@ -398,29 +449,32 @@ def build_app(engine, app_config: AppConfig | None = None) -> gr.Blocks:
                     with gr.Row():
                         subset = gr.Textbox(label="Subset", placeholder="default")
                         split = gr.Textbox(label="Split", value="train")
-                        max_rows = gr.Number(label="Max rows", precision=0, minimum=1)
+                        # An empty gr.Number reaches the server as 0 (never None): 0 means "all rows".
+                        max_rows = gr.Number(label="Max rows", value=0, precision=0, minimum=0, info="0 = all")
                     load = gr.Button("Load from the Hub")
             status = gr.Markdown("Upload a CSV, TSV, JSONL or Parquet file, or name a Hub dataset.",
                                  elem_id="dataset-status")
             preview = gr.Dataframe(label="Preview", interactive=False, elem_id="dataset-preview", max_height=300)
             with gr.Row():
-                mode = gr.Radio(MODES, value=MODES[0], label="Generate from")
+                mode = gr.Radio(MODES, value=MODES[0], label="Generate from", elem_id="dataset-mode")
                 prompt_column = gr.Dropdown(label="Prompt column", choices=[], elem_id="prompt-column")
-                messages_column = gr.Dropdown(label="Messages column", choices=[])
-                template = gr.Textbox(label="Template", placeholder="e.g. Summarize: {text}")
-            with gr.Accordion("Generation settings", open=False):
+                messages_column = gr.Dropdown(label="Messages column", choices=[], elem_id="messages-column")
+                template = gr.Textbox(label="Template", placeholder="e.g. Summarize: {text}", elem_id="dataset-template")
+            with gr.Accordion("Generation settings", open=False, elem_id="dataset-settings"):
                 data_system = gr.Textbox(label="System prompt", lines=2)
                 with gr.Row():
                     data_temperature = gr.Slider(0.0, 2.0, value=defaults.temperature, step=0.05,
-                                                 label="Temperature", info="0 = greedy")
+                                                 label="Temperature", info="0 = greedy",
+                                                 elem_id="dataset-temperature")
                     data_top_p = gr.Slider(0.05, 1.0, value=defaults.top_p, step=0.05, label="Top-p")
                     data_top_k = gr.Slider(0, 200, value=defaults.top_k, step=1, label="Top-k")
                     data_max_tokens = gr.Slider(1, max(engine.context_tokens - 1, 1),
                                                 value=min(defaults.max_new_tokens, engine.context_tokens - 1), step=1,
-                                                label="Max new tokens")
+                                                label="Max new tokens", elem_id="dataset-max-tokens")
                 with gr.Row():
                     data_stop = gr.Textbox(label="Stop strings", lines=1, placeholder="One per line")
-                    data_seed = gr.Number(label="Seed", precision=0, minimum=0)
+                    # A textbox, not gr.Number: an empty Number would send 0 and seed every job with 0.
+                    data_seed = gr.Textbox(label="Seed", placeholder="random", max_lines=1)
                     data_thinking = gr.Checkbox(label="Thinking", value=False, interactive=engine.supports_thinking)
             with gr.Row():
                 try_rows = gr.Button("Try 5 rows", elem_id="dataset-try")
@@ -441,7 +495,8 @@ def build_app(engine, app_config: AppConfig | None = None) -> gr.Blocks:
             job_outputs = [progress, results, download]
             run.click(data.run, job_inputs, job_outputs, concurrency_limit=None, **UI_ONLY)
             try_rows.click(data.try_rows, job_inputs, job_outputs, concurrency_limit=None, **UI_ONLY)
-            cancel.click(data.cancel, state, None, queue=False, **UI_ONLY)
+            # Queued (gr.Info toasts only reach the page from queued events), and never waiting behind a job.
+            cancel.click(data.cancel, state, None, concurrency_limit=None, **UI_ONLY)
             output_format.change(data.change_format, [state, output_format], download, **UI_ONLY)
 
         with gr.Accordion("Engine", open=True):
