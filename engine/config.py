@@ -105,7 +105,7 @@ class EngineConfig:
         page_size: tokens per KV-cache page; None = per backend (32 on MPS and CPU, 256 on CUDA).
         max_new_tokens: default answer length when a request does not say.
         max_batch_inflight: dataset rows handed to the scheduler at once; the rest wait in the engine, so a chat
-            request is admitted after at most this many rows. None = per backend.
+            request is admitted after at most this many rows. None = a quarter of max_batch_tokens.
         use_cuda_graph: CUDA graphs for the forward step on CUDA; None lets transformers decide.
         trust_remote_code: run custom modelling code from the model repository (off unless you trust it).
     """
@@ -174,7 +174,7 @@ ENGINE_OPTIONS: tuple[_Option, ...] = (
             f"Known: {', '.join(ATTENTION_CHOICES)}."),
     _Option("kv_cache_gib", "--kv-cache-gib", "KV_CACHE_GIB", float, "KV-cache memory budget in GiB (auto if unset)."),
     _Option("max_batch_tokens", "--max-batch-tokens", "MAX_BATCH_TOKENS", int,
-            "Tokens per forward step (auto: 512 on CPU, 1024 on MPS, 2048 on CUDA)."),
+            "Tokens per forward step (auto: 256 on CPU, 1024 on MPS, 2048 on CUDA)."),
     _Option("page_size", "--page-size", "PAGE_SIZE", int, "Tokens per KV-cache page (auto: 32 CPU/MPS, 256 CUDA)."),
     _Option("max_new_tokens", "--default-max-new-tokens", "DEFAULT_MAX_NEW_TOKENS", int,
             "Answer length when a request does not set one."),

@@ -54,7 +54,8 @@ def test_mps_with_too_old_kernels_falls_back_and_says_why():
 def test_cpu_sizes_cache_and_batch_tokens_explicitly():
     choice = select_backend(EngineConfig(), DeviceFacts(ram_available_bytes=16 * GIB))
     assert (choice.device, choice.dtype, choice.attn_implementation) == ("cpu", "float32", PER_REQUEST_ATTENTION)
-    assert choice.max_batch_tokens == 512  # not CB's 8192 default, which can crash the loop on CPU
+    assert choice.max_batch_tokens == 256  # not CB's 8192 default, which can crash the loop on CPU
+    assert choice.max_batch_inflight == 64  # a quarter of a step's tokens
     assert choice.kv_cache_bytes == int(16 * GIB * 0.2)
     assert choice.page_size == 32
 

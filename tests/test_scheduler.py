@@ -17,10 +17,10 @@ def _scheduler_with_waiting(ids: list[str]) -> InteractiveFirstScheduler:
     return scheduler
 
 
-def test_waiting_chats_go_first_in_arrival_order():
+def test_waiting_chats_go_alone_in_arrival_order():
     ids = ["row-1", "row-2", f"{INTERACTIVE_PREFIX}3", "row-4", f"{INTERACTIVE_PREFIX}5"]
     order = [s.request_id for s in _scheduler_with_waiting(ids)._get_waiting_candidates()]
-    assert order == [f"{INTERACTIVE_PREFIX}3", f"{INTERACTIVE_PREFIX}5", "row-1", "row-2", "row-4"]
+    assert order == [f"{INTERACTIVE_PREFIX}3", f"{INTERACTIVE_PREFIX}5"]  # rows start their prefill next step
 
 
 def test_rows_alone_keep_fifo_order():
@@ -31,3 +31,24 @@ def test_rows_alone_keep_fifo_order():
 def test_registered_for_continuous_batching():
     assert register_scheduler() == SCHEDULER_NAME
     assert SCHEDULER_MAPPING[SCHEDULER_NAME] is InteractiveFirstScheduler
+
+
+def test_chat_during_a_job_and_the_job_both_complete(engine):
+    """On the real engine, with the scheduler's chat-only steps: a chat sent while a dataset job decodes gets its
+    full answer, and every row of the job still gets all its tokens (the effect on latency is in bench.latency)."""
+    import threading
+
+    from engine.config import SamplingParams
+    from engine.engine import BatchRequest
+
+    rows = [BatchRequest(key=i, prompt=f"row {i} " + "the " * 40,
+                         params=SamplingParams(temperature=0.0, max_new_tokens=60, ignore_eos=True))
+            for i in range(40)]
+    results = []
+    job = threading.Thread(target=lambda: results.extend(engine.generate_many(rows)))
+    job.start()
+    chat = engine.generate(prompt="a chat while the job runs",
+                           params=SamplingParams(temperature=0.0, max_new_tokens=8, ignore_eos=True))
+    job.join(timeout=120)
+    assert chat.ok and chat.completion_tokens == 8
+    assert len(results) == 40 and all(result.completion_tokens == 60 for _, result in results)
