@@ -168,6 +168,19 @@ def machine_description(engine) -> dict:
             "date": time.strftime("%Y-%m-%d")}
 
 
+def start_engine(args, **overrides):
+    """Logging set up, the model chosen (a random model of `--shape` unless `--model-id`), the engine started."""
+    from engine.config import engine_config_from_args
+    from engine.engine import Engine
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("ContinuousBatchingLogger").setLevel(logging.WARNING)
+    if args.model_id is None:
+        args.model_id = str(build_shape_model(args.shape))
+    config = engine_config_from_args(args).with_overrides(**overrides)
+    return Engine(config).start()
+
+
 def write_json(path: str | None, payload: dict) -> None:
     if path:
         Path(path).write_text(json.dumps(payload, indent=2))

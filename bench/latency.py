@@ -12,13 +12,12 @@ p50/p95 and the loaded/idle ratio; nothing is asserted.
 from __future__ import annotations
 
 import argparse
-import logging
 import statistics
 import threading
 import time
 
-from bench.common import build_shape_model, machine_description, make_workload, write_json
-from engine.config import SamplingParams, add_engine_arguments, engine_config_from_args
+from bench.common import machine_description, make_workload, start_engine, write_json
+from engine.config import SamplingParams, add_engine_arguments
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -88,14 +87,7 @@ def summarize(prefix: str, ttfts: list[float], gaps: list[float]) -> dict:
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    logging.getLogger("ContinuousBatchingLogger").setLevel(logging.WARNING)
-    from engine.engine import Engine
-
-    if args.model_id is None:
-        args.model_id = str(build_shape_model(args.shape))
-    config = engine_config_from_args(args)
-    engine = Engine(config).start()
+    engine = start_engine(args)
     chat_prompts = make_workload(args.chats, (30, 60), (1, 1), seed=7).prompts
     engine.generate(prompt="warm up", params=SamplingParams(temperature=0.0, max_new_tokens=4))
 
@@ -109,7 +101,7 @@ def main(argv=None) -> dict:
     engine.shutdown()
 
     if args.compare_unbounded:
-        unbounded = Engine(config.with_overrides(max_batch_inflight=10**6)).start()
+        unbounded = start_engine(args, max_batch_inflight=10**6)
         free_for_all = run_loaded(unbounded, chat_prompts, args)
         figures.update(summarize("unbounded", free_for_all["ttft"], free_for_all["itl"]))
         figures["ttft_unbounded_vs_idle"] = figures["ttft_unbounded_p50_ms"] / figures["ttft_idle_p50_ms"]

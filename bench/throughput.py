@@ -15,19 +15,18 @@ minute (a random-weight Qwen2 of hidden 256, 4 layers).
 from __future__ import annotations
 
 import argparse
-import logging
 import statistics
 
 from bench.common import (
-    build_shape_model,
     cb_config_like,
     machine_description,
     make_workload,
     run_padded_generate,
     run_raw_cb,
+    start_engine,
     write_json,
 )
-from engine.config import SamplingParams, add_engine_arguments, engine_config_from_args
+from engine.config import SamplingParams, add_engine_arguments
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -50,15 +49,11 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    logging.getLogger("ContinuousBatchingLogger").setLevel(logging.WARNING)
     import time
 
-    from engine.engine import BatchRequest, Engine
+    from engine.engine import BatchRequest
 
-    if args.model_id is None:
-        args.model_id = str(build_shape_model(args.shape))
-    engine = Engine(engine_config_from_args(args)).start()
+    engine = start_engine(args)
     workload = make_workload(args.requests, tuple(args.prompt_words), tuple(args.answer_tokens))
     prompt_ids = [engine.prepare(prompt=p).token_ids for p in workload.prompts]
     model = engine.loaded.model
