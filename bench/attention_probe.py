@@ -13,13 +13,14 @@ whether the greedy outputs are identical token for token. Nothing is asserted: t
 from __future__ import annotations
 
 import argparse
-import copy
 import cProfile
 import io
 import logging
 import pstats
 import sys
 import time
+
+from bench.common import run_raw_cb
 
 
 def build_model(seed: int = 0, vocab_size: int = 1024):
@@ -60,45 +61,15 @@ def make_workload(num_requests: int, prompt_range: tuple[int, int], answer_range
 
 
 def run_cb(model, prompts, answers, max_batch_tokens: int, page_size: int = 32, profiler: cProfile.Profile | None = None):
-    """Serve the workload through one raw CB manager; returns (seconds, outputs by index, resolved CB config)."""
+    """Serve the workload through one raw CB manager, cache sized to the workload; (seconds, outputs, CB config)."""
     from transformers import ContinuousBatchingConfig
 
-    generation_config = copy.deepcopy(model.generation_config)
-    generation_config.do_sample = False
-    generation_config.temperature = generation_config.top_p = generation_config.top_k = None
-    generation_config.eos_token_id = None
     total_tokens = sum(len(p) + a for p, a in zip(prompts, answers, strict=True))
-    num_blocks = total_tokens // page_size + len(prompts) + 16
-    cb_config = ContinuousBatchingConfig(num_blocks=num_blocks, max_batch_tokens=max_batch_tokens, page_size=page_size,
+    cb_config = ContinuousBatchingConfig(num_blocks=total_tokens // page_size + len(prompts) + 16,
+                                         max_batch_tokens=max_batch_tokens, page_size=page_size,
                                          auto_switch_to_flash=False, allow_block_sharing=False)
-    manager = model.init_continuous_batching(generation_config=generation_config, continuous_batching_config=cb_config)
-    if profiler is not None:  # the loop runs in its own thread: profile inside it
-        loop = manager._run_generation_loop
-
-        def profiled_loop(*args, **kwargs):
-            profiler.enable()
-            try:
-                return loop(*args, **kwargs)
-            finally:
-                profiler.disable()
-
-        manager._run_generation_loop = profiled_loop
-    manager.start()
-    start = time.perf_counter()
-    for index, (prompt, answer) in enumerate(zip(prompts, answers, strict=True)):
-        manager.add_request(prompt, request_id=f"r{index}", max_new_tokens=answer, eos_token_id=-1)
-    outputs: dict[int, list[int]] = {}
-    deadline = time.monotonic() + 600
-    while len(outputs) < len(prompts) and time.monotonic() < deadline:
-        result = manager.get_result(timeout=1)
-        if result is not None and result.is_finished():
-            outputs[int(result.request_id[1:])] = list(result.generated_tokens)
-    seconds = time.perf_counter() - start
-    resolved = manager.continuous_batching_config
-    manager.stop(block=True)
-    if len(outputs) < len(prompts):
-        raise RuntimeError(f"only {len(outputs)} of {len(prompts)} requests finished")
-    return seconds, outputs, resolved
+    run = run_raw_cb(model, prompts, answers, cb_config, timeout_s=600, profiler=profiler)
+    return run["seconds"], dict(enumerate(run["outputs"])), run["resolved_config"]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -103,15 +103,29 @@ def greedy_generation_config(model, max_new_tokens: int):
 
 
 def run_raw_cb(model, prompt_ids: list[list[int]], answer_lengths: list[int], cb_config,
-               timeout_s: float = 1800) -> dict:
-    """Drive transformers' manager directly: every request at once, its own max_new_tokens, EOS off."""
+               timeout_s: float = 1800, profiler=None) -> dict:
+    """Drive transformers' manager directly: every request at once, its own max_new_tokens, EOS off.
+
+    Returns seconds, tokens, outputs (by request index) and CB's resolved config. A `cProfile.Profile` given as
+    `profiler` profiles the generation loop, which runs in its own thread."""
     manager = model.init_continuous_batching(generation_config=greedy_generation_config(model, max(answer_lengths)),
                                              continuous_batching_config=copy.deepcopy(cb_config))
     manager.warmup()
+    if profiler is not None:
+        loop = manager._run_generation_loop
+
+        def profiled_loop(*args, **kwargs):
+            profiler.enable()
+            try:
+                return loop(*args, **kwargs)
+            finally:
+                profiler.disable()
+
+        manager._run_generation_loop = profiled_loop
     manager.start()
     start = time.perf_counter()
     try:
-        for index, (ids, length) in enumerate(zip(prompt_ids, answer_lengths, strict=False)):
+        for index, (ids, length) in enumerate(zip(prompt_ids, answer_lengths, strict=True)):
             manager.add_request(ids, request_id=f"raw-{index}", max_new_tokens=length, eos_token_id=-1)
         outputs: dict[str, list[int]] = {}
         deadline = time.monotonic() + timeout_s
@@ -122,9 +136,11 @@ def run_raw_cb(model, prompt_ids: list[list[int]], answer_lengths: list[int], cb
         seconds = time.perf_counter() - start
     finally:
         manager.stop(block=True, timeout=30)
-    tokens = sum(len(t) for t in outputs.values())
-    return {"seconds": seconds, "tokens": tokens,
-            "outputs": [outputs.get(f"raw-{i}", []) for i in range(len(prompt_ids))]}
+    if len(outputs) < len(prompt_ids):
+        raise RuntimeError(f"only {len(outputs)} of {len(prompt_ids)} requests finished in {timeout_s:.0f}s")
+    return {"seconds": seconds, "tokens": sum(len(t) for t in outputs.values()),
+            "outputs": [outputs[f"raw-{i}"] for i in range(len(prompt_ids))],
+            "resolved_config": manager.continuous_batching_config}
 
 
 def run_padded_generate(model, prompt_ids: list[list[int]], answer_lengths: list[int], batch_size: int,
