@@ -15,8 +15,10 @@ from __future__ import annotations
 import copy
 import json
 import logging
+import os
 import platform
 import random
+import resource
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -175,13 +177,18 @@ def machine_description(engine) -> dict:
 
     device = engine.backend.device
     name = torch.cuda.get_device_name(0) if device.startswith("cuda") else platform.processor() or platform.machine()
-    import os
-
+    model = engine.loaded.model
+    model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    memory = {"model_gib": model_bytes / 1024**3, "kv_cache_gib": round(engine.kv_cache_bytes / 1024**3, 3)}
+    if device.startswith("cuda"):
+        memory["cuda_peak_allocated_gib"] = round(torch.cuda.max_memory_allocated() / 1024**3, 3)
+    else:  # ru_maxrss is in KiB on Linux: the whole process's peak, model, cache and the baselines' buffers included
+        memory["process_peak_rss_gib"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024**2, 3)
     return {"device": device, "device_name": name, "cpu_count": os.cpu_count(), "torch": torch.__version__,
             "transformers": transformers.__version__, "dtype": engine.backend.dtype,
             "attention": engine.attention_in_use, "max_batch_tokens": engine.backend.max_batch_tokens,
-            "page_size": engine.backend.page_size, "kv_cache_gib": round(engine.kv_cache_bytes / 1024**3, 3),
-            "date": time.strftime("%Y-%m-%d")}
+            "max_batch_inflight": engine.backend.max_batch_inflight, "page_size": engine.backend.page_size,
+            **memory, "date": time.strftime("%Y-%m-%d")}
 
 
 def start_engine(args, **overrides):

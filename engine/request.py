@@ -122,6 +122,12 @@ class RequestStream:
     def request_id(self) -> str:
         return self._handle.request_id
 
+    @property
+    def first_token_at(self) -> float | None:
+        """`time.perf_counter()` when the engine received the first generated token (it may not be visible text
+        yet: an incomplete character or a possible stop string is held back), or None before that."""
+        return self._handle.first_token_at
+
     def __iter__(self) -> Iterator[StreamDelta]:
         return self
 
