@@ -21,6 +21,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 
+from .allocator import glibc_available
 from .config import EngineConfig
 
 logger = logging.getLogger(__name__)
@@ -47,6 +48,7 @@ class DeviceFacts:
     kernels_required: str = "0.18.2"  # the minimum this transformers accepts
     kernels_usable: bool = False  # transformers' is_kernels_available()
     ram_available_bytes: int = 8 * GIB
+    glibc: bool = False  # the C library is glibc, whose malloc engine.allocator tunes
 
 
 @dataclass(frozen=True)
@@ -61,6 +63,7 @@ class BackendChoice:
     kv_cache_bytes: int | None  # None: size from free device memory after the model loads (CUDA)
     kv_cache_fraction: float  # share of free memory for the cache when kv_cache_bytes is None
     max_batch_inflight: int
+    tune_cpu_allocator: bool = False  # engine.allocator.keep_freed_buffers() at startup
     reasons: dict[str, str] = field(default_factory=dict)
 
     def summary(self) -> str:
@@ -149,10 +152,23 @@ def select_backend(config: EngineConfig, facts: DeviceFacts) -> BackendChoice:
     # every step for prefills, where a chat request goes first (engine.scheduler). Measured on CPU: 64 rows cost
     # ~15% throughput against 128 on a 96-request job (bench.throughput --max-batch-inflight).
     inflight = config.max_batch_inflight or max(16, max_batch_tokens // 4)
-    reasons = {"device": device_reason, "dtype": dtype_reason, "attention": attention_reason, "kv_cache": cache_reason}
+    tune_allocator, allocator_reason = _choose_allocator_tuning(config, facts, device)
+    reasons = {"device": device_reason, "dtype": dtype_reason, "attention": attention_reason, "kv_cache": cache_reason,
+               "allocator": allocator_reason}
     return BackendChoice(device=device, dtype=dtype, attn_implementation=attention, page_size=page_size,
                          max_batch_tokens=max_batch_tokens, kv_cache_bytes=kv_bytes, kv_cache_fraction=0.5,
-                         max_batch_inflight=inflight, reasons=reasons)
+                         max_batch_inflight=inflight, tune_cpu_allocator=tune_allocator, reasons=reasons)
+
+
+def _choose_allocator_tuning(config: EngineConfig, facts: DeviceFacts, device: str) -> tuple[bool, str]:
+    if device != "cpu":
+        return False, "not needed: the step's tensors live on the accelerator"
+    if config.cpu_allocator_tuning is False:
+        return False, "turned off with --cpu-allocator-tuning off"
+    if not facts.glibc:
+        return False, "not glibc: the C library's own malloc policy is kept"
+    return True, ("glibc keeps freed step buffers for the next step (measured on 2 cores: 1.07-1.31x tokens/s, "
+                  "a third of the system time); --cpu-allocator-tuning off to disable")
 
 
 def probe_device_facts() -> DeviceFacts:
@@ -187,4 +203,5 @@ def probe_device_facts() -> DeviceFacts:
         kernels_required=import_utils.KERNELS_MIN_VERSION,
         kernels_usable=bool(import_utils.is_kernels_available()),
         ram_available_bytes=ram_available,
+        glibc=glibc_available(),
     )

@@ -107,6 +107,8 @@ class EngineConfig:
         max_batch_inflight: dataset rows handed to the scheduler at once; the rest wait in the engine, so a chat
             request is admitted after at most this many rows. None = a quarter of max_batch_tokens.
         use_cuda_graph: CUDA graphs for the forward step on CUDA; None lets transformers decide.
+        cpu_allocator_tuning: on CPU with glibc, keep the buffers each step frees for the next step instead of
+            returning them to the kernel (engine.allocator); None = on wherever it applies.
         trust_remote_code: run custom modelling code from the model repository (off unless you trust it).
     """
 
@@ -121,6 +123,7 @@ class EngineConfig:
     max_new_tokens: int = 512
     max_batch_inflight: int | None = None
     use_cuda_graph: bool | None = None
+    cpu_allocator_tuning: bool | None = None
     trust_remote_code: bool = False
 
     def __post_init__(self) -> None:
@@ -181,6 +184,8 @@ ENGINE_OPTIONS: tuple[_Option, ...] = (
     _Option("max_batch_inflight", "--max-batch-inflight", "MAX_BATCH_INFLIGHT", int,
             "Dataset rows handed to the scheduler at once; chat requests wait behind at most this many."),
     _Option("use_cuda_graph", "--cuda-graph", "CUDA_GRAPH", bool, "on/off: CUDA graphs (auto: transformers decides)."),
+    _Option("cpu_allocator_tuning", "--cpu-allocator-tuning", "CPU_ALLOCATOR_TUNING", bool,
+            "on/off: on CPU with glibc, reuse freed step buffers instead of page-faulting new ones (auto: on)."),
     _Option("trust_remote_code", "--trust-remote-code", "TRUST_REMOTE_CODE", bool,
             "Run modelling code shipped with the model repository."),
 )

@@ -25,6 +25,7 @@ import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
+from .allocator import keep_freed_buffers
 from .backend import PER_REQUEST_ATTENTION, BackendChoice, DeviceFacts, probe_device_facts, select_backend
 from .config import EngineConfig, SamplingParams
 from .loader import LoadedModel, load_model
@@ -100,6 +101,8 @@ class Engine:
         facts = self._facts or probe_device_facts()
         self.backend = select_backend(self.config, facts)
         logger.info(self.backend.summary())
+        if self.backend.tune_cpu_allocator:
+            keep_freed_buffers()
         self.loaded = load_model(self.config, self.backend)
         self._read_model_facts(facts)
         self._batch_slots = threading.BoundedSemaphore(self.backend.max_batch_inflight)

@@ -85,3 +85,20 @@ def test_per_request_alias_and_stock_opt_out():
     assert select_backend(EngineConfig(attn_implementation="cbs_varlen"), DeviceFacts()).attn_implementation == \
         PER_REQUEST_ATTENTION
     assert select_backend(EngineConfig(attn_implementation="sdpa"), DeviceFacts()).attn_implementation == "sdpa"
+
+
+def test_cpu_allocator_tuning_only_on_glibc_cpu_and_switchable_off():
+    on_glibc = DeviceFacts(glibc=True)
+    assert select_backend(EngineConfig(), on_glibc).tune_cpu_allocator
+    off = select_backend(EngineConfig(cpu_allocator_tuning=False), on_glibc)
+    assert not off.tune_cpu_allocator and "--cpu-allocator-tuning off" in off.reasons["allocator"]
+    assert not select_backend(EngineConfig(), DeviceFacts(glibc=False)).tune_cpu_allocator
+    assert not select_backend(EngineConfig(), DeviceFacts(**{**CUDA.__dict__, "glibc": True})).tune_cpu_allocator
+
+
+def test_keep_freed_buffers_applies_on_this_glibc_machine():
+    from engine.allocator import glibc_available, keep_freed_buffers
+
+    if not glibc_available():
+        pytest.skip("the tuning is for glibc; this machine has another C library")
+    assert keep_freed_buffers() is True  # glibc accepted both mallopt settings (it returns 0 for a bad value)
