@@ -105,14 +105,20 @@ def greedy_generation_config(model, max_new_tokens: int):
 
 
 def run_raw_cb(model, prompt_ids: list[list[int]], answer_lengths: list[int], cb_config,
-               timeout_s: float = 1800, profiler=None) -> dict:
+               timeout_s: float = 1800, profiler=None, paged_reads: bool = True) -> dict:
     """Drive transformers' manager directly: every request at once, its own max_new_tokens, EOS off.
 
     Returns seconds, tokens, outputs (by request index) and CB's resolved config. A `cProfile.Profile` given as
-    `profiler` profiles the generation loop, which runs in its own thread."""
+    `profiler` profiles the generation loop, which runs in its own thread. With the engine's per-request attention,
+    the cache gets engine.paged_reads as in the engine (set `paged_reads=False` to measure without)."""
+    from engine.backend import PER_REQUEST_ATTENTION
+    from engine.paged_reads import install_paged_reads
+
     manager = model.init_continuous_batching(generation_config=greedy_generation_config(model, max(answer_lengths)),
                                              continuous_batching_config=copy.deepcopy(cb_config))
     manager.warmup()
+    if paged_reads and model.config._attn_implementation == PER_REQUEST_ATTENTION:
+        install_paged_reads(manager.batch_processor.cache)  # as the engine does: part of our attention path
     if profiler is not None:
         loop = manager._run_generation_loop
 

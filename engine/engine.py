@@ -161,6 +161,7 @@ class Engine:
     def _build_manager(self):
         from transformers import ContinuousBatchingConfig
 
+        from .paged_reads import install_paged_reads
         from .sampling import install_sampler
         from .scheduler import register_scheduler
 
@@ -196,6 +197,8 @@ class Engine:
             self._cache_plan = self._cache_plan.shrunk(0.5)
             self._log_cache_plan()
             return self._build_manager()
+        if model.config._attn_implementation == PER_REQUEST_ATTENTION:
+            install_paged_reads(manager.batch_processor.cache)  # attention reads the cache, not CB's copy of it
         manager.start()
         self.attention_in_use = model.config._attn_implementation
         return manager

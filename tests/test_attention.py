@@ -16,6 +16,7 @@ from engine.attention import (
     varlen_attention_forward,
 )
 from engine.kv_cache import attention_needs_mask
+from engine.paged_reads import PAGED_READ_KWARG, install_paged_reads
 
 # torch warns once that CSR tensors (the sparse decode path) are beta
 pytestmark = pytest.mark.filterwarnings("ignore:Sparse CSR tensor support is in beta state")
@@ -97,6 +98,25 @@ def test_mixed_batch_matches_block_diagonal_sdpa(token_major, kv_heads, decode_s
     stock = _stock(query, key, value, q_lens, k_lens)
     assert ours.shape == stock.shape == (1, sum(q_lens), HEADS, DIM)
     torch.testing.assert_close(ours, stock, rtol=1e-5, atol=1e-5)
+
+
+def test_reading_keys_through_the_paged_cache_matches(decode_strategy):
+    """engine.paged_reads hands the whole cache and the step's read index instead of the step's keys in order."""
+    q_lens, k_lens = MIXED
+    query, key, value = _inputs(q_lens, k_lens, seed=9)
+    total_k, cache_tokens = key.shape[2], 3 * key.shape[2]
+    read_index = torch.randperm(cache_tokens, generator=torch.Generator().manual_seed(1))[:total_k]
+
+    def as_cache(states):  # the step's keys scattered over a larger cache, the rest garbage
+        cache = torch.randn(cache_tokens, states.shape[1], DIM)
+        cache[read_index] = states[0].transpose(0, 1)
+        return cache.transpose(0, 1).unsqueeze(0)
+
+    paged, _ = varlen_attention_forward(
+        _Module(), query, as_cache(key), as_cache(value), None, scaling=DIM**-0.5, cu_seq_lens_q=_cu(q_lens),
+        cu_seq_lens_k=_cu(k_lens), **{PAGED_READ_KWARG: read_index},
+    )
+    torch.testing.assert_close(paged, _stock(query, key, value, q_lens, k_lens), rtol=1e-5, atol=1e-5)
 
 
 def test_decode_only_batch_and_uneven_lengths_are_grouped(decode_strategy):
@@ -241,8 +261,9 @@ def _prompts(vocab_size: int):
     return prompts, answers
 
 
-def _serve_with_cb(model, prompts, answers, inference_mode: bool) -> dict[int, list[int]]:
-    """Raw CB with a small batch budget (64 tokens: long prompts are prefilled in chunks); EOS off."""
+def _serve_with_cb(model, prompts, answers, inference_mode: bool, paged_reads: bool) -> dict[int, list[int]]:
+    """Raw CB with a small batch budget (64 tokens: long prompts are prefilled in chunks); EOS off. With
+    `paged_reads`, the cache hands the attention itself (engine.paged_reads), as in the engine."""
     from transformers import ContinuousBatchingConfig
 
     generation_config = copy.deepcopy(model.generation_config)
@@ -252,6 +273,9 @@ def _serve_with_cb(model, prompts, answers, inference_mode: bool) -> dict[int, l
         generation_config=generation_config,
         continuous_batching_config=ContinuousBatchingConfig(num_blocks=160, max_batch_tokens=64, page_size=32),
     )
+    if paged_reads:
+        manager.warmup()  # builds the cache, as the engine does before installing paged reads
+        assert install_paged_reads(manager.batch_processor.cache)
     with torch.inference_mode(inference_mode):  # the loop thread inherits the caller's inference mode
         manager.start()
     try:
@@ -274,27 +298,36 @@ def _serve_with_cb(model, prompts, answers, inference_mode: bool) -> dict[int, l
 
 
 @pytest.mark.parametrize(
-    ("arch", "inference_mode", "force_sparse"),
-    [("qwen2", False, False), ("llama", True, False), ("qwen2-sliding", False, False), ("qwen2", False, True)],
+    ("arch", "inference_mode", "force_sparse", "paged_reads"),
+    [("qwen2", False, False, True), ("llama", True, False, True), ("qwen2-sliding", False, False, True),
+     ("qwen2", False, True, True), ("qwen2", False, False, False), ("qwen2", False, True, False)],
 )
-def test_cb_greedy_equals_generate(tiny_models, arch, inference_mode, force_sparse, monkeypatch):
+def test_cb_greedy_equals_generate(tiny_models, arch, inference_mode, force_sparse, paged_reads, monkeypatch):
     logging.getLogger("ContinuousBatchingLogger").setLevel(logging.WARNING)
     if force_sparse:  # the tiny models' batches are far below the size where the sparse decode path kicks in
         monkeypatch.setattr(attention, "_SPARSE_MIN_BYTES", 0)
-    calls = {"plans": 0}
+    calls = {"plans": 0, "paged": 0, "copied": 0}
     build_plan = attention._build_plan
+    varlen = attention._varlen_attention
 
     def counting_build_plan(*args, **kwargs):
         calls["plans"] += 1
         return build_plan(*args, **kwargs)
 
+    def counting_varlen(*args):
+        calls["paged" if args[-1] is not None else "copied"] += 1
+        return varlen(*args)
+
     monkeypatch.setattr(attention, "_build_plan", counting_build_plan)
+    monkeypatch.setattr(attention, "_varlen_attention", counting_varlen)
     model = _load(tiny_models[arch])
     assert model.config._attn_implementation == ATTENTION_NAME
     prompts, answers = _prompts(model.config.vocab_size)
-    results = _serve_with_cb(model, prompts, answers, inference_mode)
+    results = _serve_with_cb(model, prompts, answers, inference_mode, paged_reads)
     assert len(results) == len(prompts)
     assert calls["plans"] > 0  # CB really went through the per-request path
+    # Layers read the paged cache directly exactly when paged reads are installed (first prefills have no cache)
+    assert (calls["paged"] > 0) == paged_reads and calls["copied"] > 0
     assert model.config._attn_implementation == ATTENTION_NAME  # CB did not switch it
 
     for index, (prompt, answer) in enumerate(zip(prompts, answers, strict=True)):
