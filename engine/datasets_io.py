@@ -1,7 +1,8 @@
 """Reading a dataset into a table and writing the result back out: files or the Hugging Face Hub.
 
 Inputs: .csv, .tsv, .jsonl/.json, .parquet files, a local dataset folder, or a Hub dataset id (with subset,
-split and max rows), the last two through `datasets.load_dataset`. CSV and TSV cells are read as text exactly as
+split and max rows), the last two through `datasets.load_dataset`; with max rows it streams just those rows
+instead of downloading the whole split. CSV and TSV cells are read as text exactly as
 written (no "007" -> 7, no empty cell -> NaN), so every input column comes out as it went in.
 Outputs: .csv, .jsonl, .parquet by extension, or a Hub dataset id (pushed with a dataset card).
 
@@ -10,6 +11,7 @@ Errors a user can fix raise `DataError` with the reason; nothing here generates 
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import os
@@ -69,7 +71,7 @@ def _looks_like_json_lines(path: Path) -> bool:
     return first.startswith("{") and (not second or second.startswith("{"))
 
 
-def _read_with_datasets(source: str, subset: str | None, split: str) -> pd.DataFrame:
+def _read_with_datasets(source: str, subset: str | None, split: str, max_samples: int | None) -> pd.DataFrame:
     import datasets
 
     folder = Path(source)
@@ -77,6 +79,9 @@ def _read_with_datasets(source: str, subset: str | None, split: str) -> pd.DataF
         if folder.is_dir() and ((folder / "dataset_dict.json").exists() or (
                 (folder / "dataset_info.json").exists() and (folder / "state.json").exists())):
             loaded = datasets.load_from_disk(str(folder))  # written by Dataset(Dict).save_to_disk
+        elif max_samples is not None:
+            # Stream the first rows instead of downloading and converting the whole split.
+            return _take_streamed(datasets.load_dataset(source, subset, split=split, streaming=True), max_samples)
         else:
             loaded = datasets.load_dataset(source, subset, split=split)
     except Exception as error:  # datasets raises many types (FileNotFound, DatasetNotFound, ValueError, HTTP...)
@@ -87,6 +92,16 @@ def _read_with_datasets(source: str, subset: str | None, split: str) -> pd.DataF
             raise DataError(f"Dataset {source!r} has no split {split!r}; it has: {', '.join(loaded)}")
         loaded = loaded[split]
     return loaded.to_pandas()
+
+
+def _take_streamed(streamed, max_samples: int) -> pd.DataFrame:
+    import datasets
+
+    # Plain iteration stops at the last row needed (IterableDataset.take reads ahead into the next shard).
+    rows = list(itertools.islice(iter(streamed), max_samples))
+    if streamed.features is not None:
+        return datasets.Dataset.from_list(rows, features=streamed.features).to_pandas()
+    return pd.DataFrame(rows)
 
 
 def read_table(source: str, subset: str | None = None, split: str = "train",
@@ -100,7 +115,7 @@ def read_table(source: str, subset: str | None = None, split: str = "train",
     if path.is_file():
         table = _read_file(path)
     elif path.is_dir() or is_hub_id(source):
-        table = _read_with_datasets(source, subset, split)
+        table = _read_with_datasets(source, subset, split, max_samples)
     elif path.suffix.lower() in INPUT_SUFFIXES:
         raise DataError(f"File not found: {source}")
     else:

@@ -160,6 +160,23 @@ def test_template_fills_columns(engine, tmp_path):
     _assert_ok(result.table, [_reference(engine, prompt=p) for p in prompts])
 
 
+def test_max_samples_streams_only_the_rows_it_needs(tmp_path):
+    """With max_samples, a dataset id or folder is streamed: the first rows come back without the rest of the split
+    being read (here a corrupt second shard, which a full load would have to parse)."""
+
+    folder = tmp_path / "shards"
+    (folder / "data").mkdir(parents=True)
+    pd.DataFrame({"prompt": [f"question {i}" for i in range(50)], "n": range(50)}).to_parquet(
+        folder / "data" / "train-00000-of-00002.parquet")
+    (folder / "data" / "train-00001-of-00002.parquet").write_bytes(b"not parquet at all")
+
+    first = read_table(str(folder), max_samples=3)
+    assert first.to_dict("list") == {"prompt": ["question 0", "question 1", "question 2"], "n": [0, 1, 2]}
+    assert str(first["n"].dtype) == "int64"  # the dataset's own types, as without streaming
+    with pytest.raises(DataError, match="Could not load dataset"):
+        read_table(str(folder))  # the whole split includes the corrupt shard
+
+
 def test_local_dataset_folders_read_through_datasets(engine, tmp_path):
     """A folder goes through `datasets` like a Hub id: load_dataset(folder) and save_to_disk folders."""
     import datasets
