@@ -19,6 +19,7 @@ from __future__ import annotations
 import copy
 import itertools
 import logging
+import os
 import queue
 import threading
 import time
@@ -482,6 +483,14 @@ class Engine:
         self._require_started()
         return len(self.loaded.tokenizer.encode(text, add_special_tokens=False))
 
+    @property
+    def model_name(self) -> str:
+        """The model as people know it: the Hub id, or a local folder's name (not the machine's full path)."""
+        model_id = self.config.model_id
+        if os.path.isdir(model_id):
+            return f"{os.path.basename(os.path.normpath(model_id))} (local folder)"
+        return model_id
+
     def stats(self) -> EngineStats:
         manager = self._manager
         processor = getattr(manager, "batch_processor", None) if manager is not None else None
@@ -495,7 +504,7 @@ class Engine:
         with self._rows_lock:
             rows_waiting = self._rows_waiting
         return EngineStats(
-            model=self.config.model_id,
+            model=self.model_name,
             device=backend.device if backend else "?",
             dtype=backend.dtype if backend else "?",
             attention=self.attention_in_use or (backend.attn_implementation if backend else "?"),

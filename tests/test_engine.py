@@ -232,3 +232,11 @@ def test_loop_crash_fails_pending_then_recovers(tiny_model_path, start_engine):
     recovered = engine.generate(prompt="after the crash", params=SamplingParams(temperature=0.0, max_new_tokens=8))
     assert recovered.ok
     assert engine.stats().restarts >= 1
+
+
+def test_stats_name_a_local_model_by_its_folder_not_its_path(engine, tiny_model_path):
+    import os
+
+    shown = engine.stats()
+    assert shown.model == f"{os.path.basename(tiny_model_path)} (local folder)"
+    assert os.path.dirname(tiny_model_path) not in shown.as_markdown()  # the panel does not reveal the machine's paths
