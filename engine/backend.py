@@ -12,7 +12,8 @@ The rules (each decision carries its reason, logged at startup like `transformer
   reason (kernels missing, or too old for this transformers); page size 32 (256 is ~17x slower on MPS,
   transformers PR #46792).
 - CPU: fp32, our per-request attention (engine.attention: no block-diagonal mask, measured 2.3-3.5x the stock
-  path), explicit cache size and 256 batch tokens (the 8192 default can crash the loop).
+  path), explicit cache size and 256 batch tokens (the 8192 default can crash the loop); on glibc, malloc keeps
+  the buffers each step frees (engine.allocator).
 - An explicit `--attn-implementation` (or dtype, device) always wins.
 """
 
