@@ -10,6 +10,7 @@ each also settable by an environment variable (for a Hugging Face Space).
 from __future__ import annotations
 
 import argparse
+import html
 import logging
 import sys
 import tempfile
@@ -50,6 +51,10 @@ def _text_of(content) -> str:
     if isinstance(content, list):
         return "".join(part.get("text", "") for part in content if isinstance(part, dict))
     return ""
+
+
+def _message_of(error: Exception) -> str:
+    return getattr(error, "message", None) or str(error)
 
 
 def _stop_list(text: str | None) -> tuple[str, ...]:
@@ -115,15 +120,21 @@ class ChatHandlers:
         current = _ChatRun()
         if isinstance(run, dict):
             run["current"] = current
-        params = _sampling(temperature, top_p, top_k, max_new_tokens, stop_text)
         messages = history_to_messages(history)
         if not messages or messages[-1]["role"] != "user":
             return
         try:
+            params = _sampling(temperature, top_p, top_k, max_new_tokens, stop_text)
             stream = self.engine.stream(messages=messages, system_prompt=system_prompt or None, params=params,
                                         enable_thinking=bool(thinking) if self.engine.supports_thinking else None)
-        except PromptError as error:
-            raise gr.Error(str(error)) from None
+        except (PromptError, gr.Error) as error:
+            # A toast and a note in the conversation (display-only: never sent to the model), not gr.Error, whose
+            # badge would cover the whole conversation. The message stays; older turns are dropped to fit next time.
+            problem = _message_of(error)
+            gr.Warning(problem)
+            yield [*history, {"role": "assistant", "content": problem,
+                              "metadata": {"title": "⚠️ Not answered", "status": "done"}}]
+            return
         current.stream = stream
         if current.stopped.is_set():  # Stop pressed while the request was being prepared
             stream.cancel()
@@ -245,15 +256,15 @@ class DatasetHandlers:
         from engine.datasets_io import DataError, read_table
 
         source = upload if upload else (hub_id or "").strip()
-        if not source:
-            raise gr.Error("Upload a file or type a Hub dataset id first.")
-        if upload and Path(upload).suffix.lower() not in DATASET_SUFFIXES:
-            raise gr.Error(f"{Path(upload).name}: unsupported file type; use {', '.join(DATASET_SUFFIXES)}.")
         try:
+            if not source:
+                raise DataError("Upload a file or type a Hub dataset id first.")
+            if upload and Path(upload).suffix.lower() not in DATASET_SUFFIXES:
+                raise DataError(f"{Path(upload).name}: unsupported file type; use {', '.join(DATASET_SUFFIXES)}.")
             table = read_table(str(source), subset=(subset or None), split=(split or "train"),
                                max_samples=int(max_rows) if max_rows else None)
         except (DataError, ValueError) as error:
-            raise gr.Error(str(error)) from None
+            return self._not_loaded(str(error), state)
         table = self._limit(table)
         columns = list(table.columns)
         state = {"table": table, "result": None, "cancel": None}
@@ -266,6 +277,15 @@ class DatasetHandlers:
                 gr.update(choices=columns, value=messages_default or columns[0]), gr.update(value=mode),
                 gr.update(placeholder="e.g. " + " ".join("{" + c + "}" for c in columns[:2])))
 
+    @staticmethod
+    def _not_loaded(problem: str, state):
+        """A dataset that could not be read: a toast and the status line say why; whatever was loaded stays.
+        (Not gr.Error: it would leave an "Error" badge on every output until the next successful load.)"""
+        gr.Warning(problem)
+        kept = " The dataset loaded before is still loaded." if (state or {}).get("table") is not None else ""
+        unchanged = gr.update()
+        return (unchanged, unchanged, f"⚠️ {problem}{kept}", unchanged, unchanged, unchanged, unchanged)
+
     def load_hub(self, hub_id, subset, split, max_rows, state):
         return self.load(None, hub_id, subset, split, max_rows, state)
 
@@ -276,11 +296,12 @@ class DatasetHandlers:
 
         table = (state or {}).get("table")
         if table is None:
-            raise gr.Error("Load a dataset first.")
+            yield self._not_started("Load a dataset first.")
+            return
         if sample_rows:
             table = table.head(sample_rows)
-        params = _sampling(temperature, top_p, top_k, max_new_tokens, stop_text, seed)
         try:
+            params = _sampling(temperature, top_p, top_k, max_new_tokens, stop_text, seed)
             spec = JobSpec(prompt_column=prompt_column if mode == MODES[0] else None,
                            messages_column=messages_column if mode == MODES[1] else None,
                            template=(template or None) if mode == MODES[2] else None,
@@ -288,8 +309,9 @@ class DatasetHandlers:
                            enable_thinking=bool(thinking) if self.engine.supports_thinking else None)
             if mode == MODES[2] and not spec.template:
                 raise JobError("Write a template, e.g. 'Summarize: {text}'.")
-        except (JobError, ValueError) as error:
-            raise gr.Error(str(error)) from None
+        except (JobError, ValueError, gr.Error) as error:
+            yield self._not_started(_message_of(error))
+            return
         cancel = threading.Event()
         state["cancel"] = cancel
         last_shown = 0.0
@@ -306,10 +328,16 @@ class DatasetHandlers:
                     state["result"] = update.result.table
                     yield (_progress_html(update.progress, done=True, cancelled=update.result.cancelled), shown,
                            gr.update(value=_write_download(update.result.table, output_format), visible=True))
-        except JobError as error:
-            raise gr.Error(str(error)) from None
+        except JobError as error:  # the spec does not fit the table (a missing column): nothing ran
+            yield self._not_started(str(error))
         finally:
             state["cancel"] = None
+
+    @staticmethod
+    def _not_started(problem: str):
+        """Outputs for a job that could not start: a toast and the progress line say why; results stay as they were."""
+        gr.Warning(problem)
+        return f'<div id="job-progress"><p class="job-problem">⚠️ {html.escape(problem)}</p></div>', gr.update(), gr.update()
 
     def try_rows(self, *args):
         """"Try 5 rows": the same job on the first five rows, to check the settings before a long run."""

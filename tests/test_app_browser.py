@@ -202,9 +202,10 @@ def _open_tab(page, name: str) -> None:
 
 
 def _upload(page, path: Path) -> None:
-    """Upload through the file input, after removing a file shown from an earlier upload (which hides it)."""
+    """Upload through the file input, after removing a file shown from an earlier upload (which hides it). After an
+    upload Gradio itself refused (too large), the drop zone is back and covers a stale Clear button: no removal."""
     remove = page.locator("#dataset-upload button[aria-label=Clear]")
-    if remove.count():
+    if remove.count() and not page.locator("#dataset-upload .upload-container").first.is_visible():
         remove.first.click()
     page.locator("#dataset-upload input[type=file]").set_input_files(str(path))
 
@@ -439,6 +440,12 @@ def test_bad_inputs_show_clear_messages_and_the_app_keeps_working(page, tmp_path
     _toast(page, "Type a message first.")
     page.locator("#chat-regenerate").click()  # nothing to regenerate
     _toast(page, "Nothing to regenerate yet.")
+    _send(page, "word " * 3000)  # longer than the tiny model's 1024-token context
+    _toast(page, "shorten the prompt")
+    expect(page.locator("#chatbot")).to_contain_text("Not answered")
+    expect(page.locator("#chatbot")).not_to_contain_text("Error")  # no badge over the conversation
+    before = _send(page, "A short question")  # the long message is dropped to fit; this one is answered
+    assert _wait_for_chat_idle(page, before)
 
     _open_tab(page, "Dataset")
     page.locator("#dataset-cancel").click()  # no job running
@@ -446,6 +453,8 @@ def test_bad_inputs_show_clear_messages_and_the_app_keeps_working(page, tmp_path
 
     page.locator("#dataset-run").click()  # nothing loaded yet
     _toast(page, "Load a dataset first.")
+    expect(page.locator("#dataset-progress")).to_contain_text("Load a dataset first.")
+    expect(page.locator("#dataset-results")).not_to_contain_text("Error")
 
     notes = tmp_path / "notes.txt"
     notes.write_text("prompt\nhello\n")
@@ -456,6 +465,9 @@ def test_bad_inputs_show_clear_messages_and_the_app_keeps_working(page, tmp_path
     garbage.write_bytes(bytes(range(128, 256)) * 20)
     _upload(page, garbage)
     _toast(page, "garbage.csv is not UTF-8 text")
+    expect(page.locator("#dataset-status")).to_contain_text("garbage.csv is not UTF-8 text")
+    for output in ("#dataset-preview", "#dataset-mode", "#prompt-column", "#dataset-template"):
+        expect(page.locator(output)).not_to_contain_text("Error")  # no error badge left on the controls
 
     empty = tmp_path / "empty.csv"
     empty.write_bytes(b"")
