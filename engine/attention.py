@@ -13,20 +13,17 @@ attention function:
   gathered into a [rows, kv_heads, longest, dim] tensor with a key-padding mask, and grouped-query attention is left
   to sdpa (`enable_gqa=True`), without `repeat_kv`. When key lengths are very uneven (say one long conversation
   among many short ones) the rows are split into a few length groups, one call each, so padding stays under 2x.
-  When the keys arrive as CB's gathered copy (no paged reads, see below), on CPU in float32, once the padded copy
-  would exceed 16 MiB (large batches, long contexts) the decode rows instead go through a block-sparse product
-  that reads that copy in place: `torch.sparse.sampled_addmm` for the scores of each row against its own keys
-  only, a per-row softmax (`segment_reduce`), `torch.sparse.mm` with the values (on 2 cores: about as fast as the
-  padded call at that size, up to 3x faster beyond, and no large temporary buffers);
+  When the keys arrive as CB's gathered copy (no paged reads, see below) and that padded copy would be large, the
+  decode rows go through engine.sparse_decode instead, which reads the copy in place;
 - prefill and chunked-prefill rows (several query tokens) get one sdpa call each over their own keys (cached prefix
   + new tokens), causal with the diagonal aligned bottom-right when there are more keys than queries.
 
 With engine.paged_reads installed on CB's cache, full-attention layers receive the paged cache itself and the
 step's read index (`PAGED_READ_KWARG`) instead of CB's gathered copy of the step's keys: the padded decode copy and
 each prefill row's keys are then gathered straight from the cache, and decode rows always take the padded call.
-Measured on 2 cores (64-dim heads, 4 query / 2 KV heads; decode rows x key lengths 16 x 50-300, 64 x 100-400,
-64 x 300-1200, 128 x 500-2000): padded from the cache 1.0 / 4.3 / 13.2 / 67 ms per layer, against CB's copy then
-the sparse product 1.6 / 5.2 / 13.8 / 86 ms, and CB's copy then the padded call 1.2 / 5.3 / 15.8 / 122 ms.
+Measured on 2 cores (64-dim heads, 4 query / 2 KV heads; 16 to 128 decode rows of 50 to 2,000 keys): from the
+cache 1.0-67 ms per layer, against 1.6-86 ms for CB's copy then the sparse product and 1.2-122 ms for CB's copy
+then the padded call (figures per size in engine.sparse_decode).
 
 The per-step bookkeeping (Python lists of lengths, gather indices, masks) is computed once per forward step and
 reused by every layer. Outside CB (no `cu_seq_lens_*` kwargs: `model.generate`, a plain forward) the call goes to
@@ -85,12 +82,12 @@ used by Llama/Qwen2-like models); they raise instead of computing something else
 from __future__ import annotations
 
 import threading
-import warnings
 import weakref
 from dataclasses import dataclass, field
 
 import torch
 
+from . import sparse_decode
 from .backend import PER_REQUEST_ATTENTION as ATTENTION_NAME  # the name lives where the backend choice is made
 from .paged_reads import PAGED_READ_KWARG
 
@@ -100,8 +97,6 @@ async batching) for a name without mask, and this attention cannot be captured; 
 
 _register_lock = threading.Lock()
 
-# torch says this once per process when the first CSR tensor is built (the decode path below uses two ops on them)
-warnings.filterwarnings("ignore", message="Sparse CSR tensor support is in beta state", category=UserWarning)
 
 
 def register_attention() -> str:
@@ -149,17 +144,6 @@ class _DecodeGroup:
 
 
 @dataclass
-class _SparseDecode:
-    """All decode rows as one block-sparse product: row (request i, query head g of a KV head) x its own keys."""
-
-    crow: torch.Tensor  # [kv_heads, rows * groups + 1] CSR row offsets
-    col: torch.Tensor  # [kv_heads, nnz] key positions
-    row_ids: torch.Tensor  # [nnz] CSR row of each stored score
-    lengths: torch.Tensor  # [rows * groups] keys per CSR row
-    zeros: torch.Tensor  # [kv_heads, nnz] placeholder values of the sampling pattern
-
-
-@dataclass
 class _DecodeRows:
     """The decode rows of a step; their gather indices / sparsity pattern are built on first use (per layout)."""
 
@@ -169,7 +153,7 @@ class _DecodeRows:
     q_index: torch.Tensor | None  # [rows] query positions of all decode rows; None when they are 0..rows-1
     device: torch.device
     _groups: list[_DecodeGroup] | None = None
-    _sparse: dict[tuple[int, int], _SparseDecode] = field(default_factory=dict)
+    _sparse: dict[tuple[int, int], sparse_decode.SparseLayout] = field(default_factory=dict)
 
     @property
     def rows(self) -> int:
@@ -187,22 +171,12 @@ class _DecodeRows:
     def padded_slots(self) -> int:
         return sum(group.rows * group.longest for group in self.groups())
 
-    def sparse(self, kv_heads: int, groups: int) -> _SparseDecode:
-        layout = (kv_heads, groups)
-        if layout not in self._sparse:
-            device = self.device
-            lengths = torch.tensor(self.k_lens, dtype=torch.long, device=device).repeat_interleave(groups)
-            starts = torch.tensor(self.k_starts, dtype=torch.long, device=device).repeat_interleave(groups)
-            crow = torch.zeros(lengths.numel() + 1, dtype=torch.long, device=device)
-            torch.cumsum(lengths, 0, out=crow[1:])
-            nnz = int(crow[-1])
-            row_ids = torch.repeat_interleave(torch.arange(lengths.numel(), device=device), lengths, output_size=nnz)
-            col = starts.index_select(0, row_ids) + torch.arange(nnz, device=device) - crow.index_select(0, row_ids)
-            self._sparse[layout] = _SparseDecode(
-                crow=crow.expand(kv_heads, -1).contiguous(), col=col.expand(kv_heads, -1).contiguous(),
-                row_ids=row_ids, lengths=lengths, zeros=torch.zeros(kv_heads, nnz, device=device),
-            )
-        return self._sparse[layout]
+    def sparse(self, kv_heads: int, groups: int) -> sparse_decode.SparseLayout:
+        if (kv_heads, groups) not in self._sparse:
+            self._sparse[kv_heads, groups] = sparse_decode.build_layout(self.k_starts, self.k_lens, kv_heads, groups,
+                                                                        self.device)
+        return self._sparse[kv_heads, groups]
+
 
 
 @dataclass
@@ -220,11 +194,6 @@ class _Plan:
 # first) when a row has at most half the keys of its group's longest and the split saves at least this many padded
 # key slots: the padding then stays under 2x the real keys (memory and work), for one more sdpa call per group.
 _MIN_SPLIT_SAVING = 2048
-# Sparse decode (CPU, float32/64): once the padded copy of the decode rows' keys and values would take this many
-# bytes, copying them (fresh large buffers page-fault on every layer) costs more than a block-sparse product that
-# reads them in place (sampled_addmm, then sparse.mm). Measured on 2 CPU cores: about 20k padded key slots for
-# 2 KV heads of 64 dims, 4k for 8 KV heads.
-_SPARSE_MIN_BYTES = 16 << 20
 
 
 def _row_mask(q_len: int, k_len: int, sliding_window: int | None, device: torch.device) -> torch.Tensor | None:
@@ -374,36 +343,6 @@ def _padded_decode(group: _DecodeGroup, q_tokens: torch.Tensor, k_tokens: torch.
     ).squeeze(2)
 
 
-def _sparse_decode(layout: _SparseDecode, q_rows: torch.Tensor, k_tokens: torch.Tensor, v_tokens: torch.Tensor,
-                   scaling: float | None) -> torch.Tensor:
-    """Decode rows without copying keys: per KV head, scores only where a query row meets its own keys
-    (`sampled_addmm` on the block-sparse pattern), a softmax per row, then `sparse.mm` with the values.
-    q_rows [rows, heads, dim], k/v_tokens [total_k, kv_heads, dim]; returns [rows, heads, dim]."""
-    rows, heads, dim = q_rows.shape
-    total_k, kv_heads, v_dim = v_tokens.shape
-    groups = heads // kv_heads
-    scale = dim**-0.5 if scaling is None else scaling
-    size = (kv_heads, rows * groups, total_k)
-    # Query head h reads KV head h // groups, as in repeat_kv / enable_gqa
-    queries = q_rows.reshape(rows, kv_heads, groups, dim).transpose(0, 1).reshape(kv_heads, rows * groups, dim)
-    pattern = torch.sparse_csr_tensor(layout.crow, layout.col, layout.zeros.to(q_rows.dtype), size=size,
-                                      check_invariants=False)
-    scores = torch.sparse.sampled_addmm(pattern, queries, k_tokens.permute(1, 2, 0), beta=0.0, alpha=scale)
-    scores = scores.values()  # [kv_heads, nnz]
-    row_max = torch.segment_reduce(scores.t(), "max", lengths=layout.lengths, axis=0)  # [rows * groups, kv_heads]
-    weights = (scores - row_max.t().index_select(1, layout.row_ids)).exp_()
-    row_sum = torch.segment_reduce(weights.t(), "sum", lengths=layout.lengths, axis=0)
-    weights /= row_sum.t().index_select(1, layout.row_ids)
-    crow, col = layout.crow[0], layout.col[0]
-    values = v_tokens.transpose(0, 1)  # [kv_heads, total_k, v_dim]
-    out = torch.stack([
-        torch.sparse.mm(torch.sparse_csr_tensor(crow, col, weights[h], size=size[1:], check_invariants=False),
-                        values[h])
-        for h in range(kv_heads)
-    ])  # [kv_heads, rows * groups, v_dim]
-    return out.view(kv_heads, rows, groups, v_dim).transpose(0, 1).reshape(rows, heads, v_dim)
-
-
 @torch.compiler.disable
 def _varlen_attention(
     query: torch.Tensor,  # [1, heads, total_q, dim]
@@ -439,18 +378,13 @@ def _varlen_attention(
     decode_outputs: list[tuple[torch.Tensor | None, int, torch.Tensor]] = []
     decode = plan.decode
     if decode is not None:
-        sparse = (
-            read_index is None  # reading the paged cache directly, the padded call was faster at every size
-            and query.device.type == "cpu" and query.dtype in (torch.float32, torch.float64) and not dropout
-            and decode.rows > 1
-            and decode.padded_slots() * key.shape[1] * (key.shape[-1] + value.shape[-1]) * key.element_size()
-            >= _SPARSE_MIN_BYTES
-        )
-        if sparse:
+        # Reading the paged cache directly (read_index), the padded call was faster at every size measured.
+        if read_index is None and decode.rows > 1 and not dropout and sparse_decode.pays_off(
+                query, key, value, decode.padded_slots()):
             q_rows = q_tokens[: decode.rows] if decode.q_index is None else q_tokens.index_select(0, decode.q_index)
             layout = decode.sparse(key.shape[1], heads // key.shape[1])
             decode_outputs.append((decode.q_index, decode.rows,
-                                   _sparse_decode(layout, q_rows, k_tokens, v_tokens, scaling)))
+                                   sparse_decode.decode(layout, q_rows, k_tokens, v_tokens, scaling)))
         else:
             for group in decode.groups():
                 decode_outputs.append((group.q_index, group.rows, _padded_decode(

@@ -9,7 +9,7 @@ import time
 import pytest
 import torch
 
-from engine import attention
+from engine import attention, sparse_decode
 from engine.attention import (
     ATTENTION_NAME,
     register_attention,
@@ -18,7 +18,7 @@ from engine.attention import (
 from engine.kv_cache import attention_needs_mask
 from engine.paged_reads import PAGED_READ_KWARG, install_paged_reads
 
-# torch warns once that CSR tensors (the sparse decode path) are beta
+# torch warns once that CSR tensors (engine.sparse_decode) are beta
 pytestmark = pytest.mark.filterwarnings("ignore:Sparse CSR tensor support is in beta state")
 
 HEADS, KV_HEADS, DIM = 4, 2, 16
@@ -83,10 +83,15 @@ MIXED = ([1, 9, 6, 1, 1, 3, 1, 12], [37, 9, 50, 5, 120, 3, 64, 40])
 
 @pytest.fixture(params=["padded", "sparse"])
 def decode_strategy(request, monkeypatch):
-    """Decode rows go through the padded sdpa call or the block-sparse product (chosen by size on CPU): test both."""
-    monkeypatch.setattr(attention, "_SPARSE_MIN_BYTES", 0 if request.param == "sparse" else 1 << 62)
+    """Decode rows go through the padded sdpa call or the block-sparse product (chosen by size on CPU): test both,
+    and check that the chosen one really ran."""
+    monkeypatch.setattr(sparse_decode, "SPARSE_MIN_BYTES", 0 if request.param == "sparse" else 1 << 62)
+    calls = []
+    sparse = sparse_decode.decode
+    monkeypatch.setattr(sparse_decode, "decode", lambda *args: calls.append(1) or sparse(*args))
     attention.clear_plan_cache()
-    return request.param
+    yield request.param
+    assert bool(calls) == (request.param == "sparse")
 
 
 @pytest.mark.parametrize("token_major", [True, False])
@@ -100,7 +105,7 @@ def test_mixed_batch_matches_block_diagonal_sdpa(token_major, kv_heads, decode_s
     torch.testing.assert_close(ours, stock, rtol=1e-5, atol=1e-5)
 
 
-def test_reading_keys_through_the_paged_cache_matches(decode_strategy):
+def test_reading_keys_through_the_paged_cache_matches():
     """engine.paged_reads hands the whole cache and the step's read index instead of the step's keys in order."""
     q_lens, k_lens = MIXED
     query, key, value = _inputs(q_lens, k_lens, seed=9)
@@ -300,13 +305,16 @@ def _serve_with_cb(model, prompts, answers, inference_mode: bool, paged_reads: b
 @pytest.mark.parametrize(
     ("arch", "inference_mode", "force_sparse", "paged_reads"),
     [("qwen2", False, False, True), ("llama", True, False, True), ("qwen2-sliding", False, False, True),
-     ("qwen2", False, True, True), ("qwen2", False, False, False), ("qwen2", False, True, False)],
+     ("qwen2-sliding", False, True, True), ("qwen2", False, False, False), ("qwen2", False, True, False)],
 )
 def test_cb_greedy_equals_generate(tiny_models, arch, inference_mode, force_sparse, paged_reads, monkeypatch):
     logging.getLogger("ContinuousBatchingLogger").setLevel(logging.WARNING)
+    calls = {"plans": 0, "paged": 0, "copied": 0, "sparse": 0}
     if force_sparse:  # the tiny models' batches are far below the size where the sparse decode path kicks in
-        monkeypatch.setattr(attention, "_SPARSE_MIN_BYTES", 0)
-    calls = {"plans": 0, "paged": 0, "copied": 0}
+        monkeypatch.setattr(sparse_decode, "SPARSE_MIN_BYTES", 0)
+        sparse = sparse_decode.decode
+        monkeypatch.setattr(sparse_decode, "decode", lambda *args: calls.update(sparse=calls["sparse"] + 1)
+                            or sparse(*args))
     build_plan = attention._build_plan
     varlen = attention._varlen_attention
 
@@ -328,6 +336,9 @@ def test_cb_greedy_equals_generate(tiny_models, arch, inference_mode, force_spar
     assert calls["plans"] > 0  # CB really went through the per-request path
     # Layers read the paged cache directly exactly when paged reads are installed (first prefills have no cache)
     assert (calls["paged"] > 0) == paged_reads and calls["copied"] > 0
+    # Forced, the sparse product serves the decode rows whose keys arrive as CB's copy (with paged reads: the
+    # sliding-window layers only)
+    assert (calls["sparse"] > 0) == force_sparse
     assert model.config._attn_implementation == ATTENTION_NAME  # CB did not switch it
 
     for index, (prompt, answer) in enumerate(zip(prompts, answers, strict=True)):
