@@ -26,9 +26,10 @@ from pathlib import Path
 logger = logging.getLogger(__name__)
 
 SHAPES = {
-    # hidden 256 / 4 layers: the CPU profile in FACTS.md; answers in about a minute on 2 cores.
+    # hidden 256 / 4 layers: the CPU profile in FACTS.md; answers in about a minute on 2 cores. Saved in fp32.
     "small": dict(hidden_size=256, intermediate_size=704, num_hidden_layers=4, num_attention_heads=4,
                   num_key_value_heads=2, vocab_size=None, max_position_embeddings=4096),
+    # Saved in bf16, like the real checkpoint (so the engine picks what it would for Qwen2.5-0.5B-Instruct).
     "qwen2.5-0.5b": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
                          num_key_value_heads=2, vocab_size=151936, max_position_embeddings=32768),
 }
@@ -44,6 +45,7 @@ def build_shape_model(shape: str, folder: Path | None = None) -> Path:
     from engine.tiny_model import build_tiny_model, default_cache_dir
 
     sizes = dict(SHAPES[shape])
+    dtype = torch.bfloat16 if shape == "qwen2.5-0.5b" else torch.float32
     path = folder or default_cache_dir() / f"bench-{shape}"
     if (path / "config.json").exists():
         return path
@@ -54,7 +56,7 @@ def build_shape_model(shape: str, folder: Path | None = None) -> Path:
     config = Qwen2Config(vocab_size=len(tokenizer), tie_word_embeddings=True, initializer_range=0.5, **sizes)
     with torch.random.fork_rng():
         torch.manual_seed(0)
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
     model.generation_config = GenerationConfig(eos_token_id=eos, pad_token_id=tokenizer.pad_token_id,
                                                do_sample=False, max_new_tokens=128)

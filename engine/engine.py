@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from .allocator import keep_freed_buffers
 from .backend import PER_REQUEST_ATTENTION, BackendChoice, DeviceFacts, probe_device_facts, select_backend
 from .config import EngineConfig, SamplingParams
-from .loader import LoadedModel, load_model
+from .loader import LoadedModel, inspect_checkpoint, load_model
 from .prompts import PreparedPrompt, PromptError, build_messages, prepare_prompt, template_takes_thinking
 from .request import POLL_INTERVAL_S, RequestHandle, RequestStream
 from .results import GenerationResult
@@ -100,11 +100,12 @@ class Engine:
         if self.loaded is not None:
             return self
         facts = self._facts or probe_device_facts()
-        self.backend = select_backend(self.config, facts)
+        checkpoint = inspect_checkpoint(self.config)
+        self.backend = select_backend(self.config, facts, checkpoint.dtype)
         logger.info(self.backend.summary())
         if self.backend.tune_cpu_allocator:
             keep_freed_buffers()
-        self.loaded = load_model(self.config, self.backend)
+        self.loaded = load_model(self.config, self.backend, checkpoint)
         self._read_model_facts(facts)
         self._batch_slots = threading.BoundedSemaphore(self.backend.max_batch_inflight)
         with self._manager_lock:

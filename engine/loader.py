@@ -27,6 +27,15 @@ class ModelLoadError(RuntimeError):
     """The model could not be loaded; the message says what to do instead."""
 
 
+@dataclass(frozen=True)
+class Checkpoint:
+    """Where the model comes from and what its config declares, read before the backend is chosen."""
+
+    source: str  # the folder or Hub id to load (the tiny-random alias resolved to its folder)
+    hub_kwargs: dict  # revision, trust_remote_code, and local_files_only when the Hub is unreachable
+    dtype: str | None  # the dtype the checkpoint's config declares ("bfloat16", ...), None when it says nothing
+
+
 @dataclass
 class LoadedModel:
     model: object
@@ -71,12 +80,10 @@ def _looks_like_path(model_id: str) -> bool:
     return model_id.startswith(("/", "./", "../", "~")) or model_id.count("/") > 1
 
 
-def load_model(config: EngineConfig, backend: BackendChoice) -> LoadedModel:
-    """Load tokenizer and model on the chosen device and dtype. Raises ModelLoadError with advice on failure."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+def inspect_checkpoint(config: EngineConfig) -> Checkpoint:
+    """Resolve the model's source and read its config's dtype (only config.json is fetched; no weights)."""
+    from transformers import AutoConfig
 
-    start = time.perf_counter()
     source = resolve_tiny_alias(config.model_id)
     if not os.path.isdir(source) and _looks_like_path(source):
         raise ModelLoadError(f"Model folder not found: {source}. Give a folder that holds config.json and the "
@@ -85,6 +92,22 @@ def load_model(config: EngineConfig, backend: BackendChoice) -> LoadedModel:
     if not os.path.isdir(source) and not hub_reachable():
         logger.warning("The Hugging Face Hub is unreachable: loading %s from the local cache only", source)
         common["local_files_only"] = True
+    try:
+        model_config = AutoConfig.from_pretrained(source, **common)
+    except (OSError, ValueError) as error:
+        raise ModelLoadError(_explain(config.model_id, error)) from error
+    declared = getattr(model_config.get_text_config(), "dtype", None) or getattr(model_config, "dtype", None)
+    return Checkpoint(source=source, hub_kwargs=common,
+                      dtype=str(declared).removeprefix("torch.") if declared is not None else None)
+
+
+def load_model(config: EngineConfig, backend: BackendChoice, checkpoint: Checkpoint) -> LoadedModel:
+    """Load tokenizer and model on the chosen device and dtype. Raises ModelLoadError with advice on failure."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    start = time.perf_counter()
+    source, common = checkpoint.source, checkpoint.hub_kwargs
     # Load directly with the attention CB will use; our own path must be registered right before (engine.attention).
     attn = backend.attn_implementation
     if attn == PER_REQUEST_ATTENTION:

@@ -102,3 +102,14 @@ def test_keep_freed_buffers_applies_on_this_glibc_machine():
     if not glibc_available():
         pytest.skip("the tuning is for glibc; this machine has another C library")
     assert keep_freed_buffers() is True  # glibc accepted both mallopt settings (it returns 0 for a bad value)
+
+
+def test_cpu_runs_a_bf16_checkpoint_in_bf16_only_where_the_cpu_computes_bf16():
+    native = DeviceFacts(cpu_bf16=True)
+    choice = select_backend(EngineConfig(), native, checkpoint_dtype="bfloat16")
+    assert choice.dtype == "bfloat16" and "natively" in choice.reasons["dtype"]
+    assert select_backend(EngineConfig(), native, checkpoint_dtype="float32").dtype == "float32"
+    assert select_backend(EngineConfig(), native, checkpoint_dtype=None).dtype == "float32"
+    emulated = select_backend(EngineConfig(), DeviceFacts(cpu_bf16=False), checkpoint_dtype="bfloat16")
+    assert emulated.dtype == "float32" and "no native bf16" in emulated.reasons["dtype"]
+    assert select_backend(EngineConfig(dtype="float32"), native, checkpoint_dtype="bfloat16").dtype == "float32"

@@ -50,6 +50,23 @@ def test_greedy_equals_generate_llama_concurrent(llama_engine):
     _check_greedy_equals_generate(llama_engine, PROMPTS, lambda i: 40 - 2 * i)
 
 
+def test_bf16_checkpoint_runs_in_bf16_on_a_cpu_with_native_bf16(tiny_model_path, start_engine, tmp_path):
+    """The dtype a user gets by default for a bf16 checkpoint (like Qwen2.5) on such a CPU, greedy-exact as well."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from engine.backend import probe_device_facts
+
+    folder = tmp_path / "tiny-bf16"
+    AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.bfloat16).save_pretrained(folder)
+    AutoTokenizer.from_pretrained(tiny_model_path).save_pretrained(folder)
+    bf16_engine = start_engine(str(folder))
+    native = probe_device_facts().cpu_bf16
+    assert bf16_engine.backend.dtype == ("bfloat16" if native else "float32"), bf16_engine.backend.reasons["dtype"]
+    assert bf16_engine.loaded.model.dtype == getattr(torch, bf16_engine.backend.dtype)
+    _check_greedy_equals_generate(bf16_engine, PROMPTS[:8], lambda i: 6 + 3 * i)
+
+
 def test_generate_many_greedy_equals_generate(engine):
     rows = [BatchRequest(key=i, prompt=p, params=SamplingParams(temperature=0.0, max_new_tokens=12))
             for i, p in enumerate(PROMPTS)]
