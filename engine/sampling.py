@@ -11,8 +11,9 @@ it picks each row's token itself and hands CB a one-hot score row, which CB's ar
   has a seed (the same answer whatever else shares the batch), else from the engine's random generator.
 
 CB hands each processor one int32 value per row, so the four per-row values travel as four "columns" (processor
-objects); the last column runs the sampler. Nothing here branches on device data, so it is CUDA-graph safe; on the
-host it skips the vocabulary sort when every row in the step is greedy.
+objects); the last column runs the sampler. Nothing here branches on device data, so it is CUDA-graph safe; when
+the step is not captured in a graph (CPU, MPS, CUDA with graphs off) it skips the vocabulary sort when every row
+in the step is greedy, a branch on host values that a graph replay could not follow.
 """
 
 from __future__ import annotations
@@ -59,6 +60,7 @@ class _StepValues:
     top_p: torch.Tensor | None = None
     all_greedy: bool = False
     rng: random.Random = field(default_factory=random.Random)
+    graph_captured: bool = False  # the step runs in a CUDA graph: no branching on host values
 
 
 class _Column(ContinuousBatchingLogitsProcessor):
@@ -124,8 +126,8 @@ class _SampleColumn(_Column):
     def __call__(self, scores: torch.Tensor, tensor_arg: torch.Tensor) -> torch.Tensor:
         rows = scores.size(0)
         step = self.step
-        if step.all_greedy and not scores.is_cuda:  # host only: a CUDA graph must not depend on this branch
-            chosen = scores.argmax(dim=-1, keepdim=True)
+        if step.all_greedy and not step.graph_captured:  # a captured graph must not depend on this host branch
+            chosen = scores.argmax(dim=-1, keepdim=True)  # no vocabulary sort: a greedy step costs one argmax
         else:
             chosen = choose_tokens(scores, step.temperature.view(torch.float32), step.top_k,
                                    step.top_p.view(torch.float32), tensor_arg[:rows].view(torch.float32))
@@ -159,7 +161,9 @@ def choose_tokens(scores: torch.Tensor, temperature: torch.Tensor, top_k: torch.
 
 def install_sampler(manager, seed: int | None = None) -> None:
     """Replace the manager's logits processors with the per-request sampler. Call before `start()`."""
-    step = _StepValues(rng=random.Random(seed))
+    # The manager's config is resolved at construction: whether its steps are captured in CUDA graphs is known.
+    graphs = any(manager.continuous_batching_config.cuda_graph_booleans)
+    step = _StepValues(rng=random.Random(seed), graph_captured=graphs)
     columns = [_TemperatureColumn(step), _TopKColumn(step), _TopPColumn(step), _SampleColumn(step)]
     processors = manager.logit_processor
     processors.logits_processor = LogitsProcessorList(columns)

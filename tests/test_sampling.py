@@ -49,3 +49,20 @@ def test_seeded_uniform_is_stable_and_spread():
     assert all(0.0 <= v < 1.0 for v in values)
     assert abs(sum(values) / len(values) - 0.5) < 0.05
     assert seeded_uniform(1, 0) != seeded_uniform(2, 0)
+
+
+def test_an_all_greedy_step_skips_the_sort_unless_captured_in_a_cuda_graph(monkeypatch, engine):
+    from engine import sampling
+
+    scores = torch.tensor([[0.1, 3.0, -1.0], [2.0, 0.0, 1.0]])
+    sorted_calls = []
+    monkeypatch.setattr(sampling, "choose_tokens", lambda *args: sorted_calls.append(1) or args[0].argmax(-1, True))
+    for captured in (False, True):
+        step = sampling._StepValues(temperature=torch.zeros(2).view(torch.int32), top_k=torch.zeros(2, dtype=torch.int32),
+                                    top_p=torch.ones(2).view(torch.int32), all_greedy=True, graph_captured=captured)
+        one_hot = sampling._SampleColumn(step)(scores, torch.zeros(2).view(torch.int32))
+        assert one_hot.argmax(-1).tolist() == [1, 0] and torch.isinf(one_hot).sum() == 4
+        assert len(sorted_calls) == int(captured)  # a graph replays the full, branch-free sampler
+    # The engine's own manager: CPU steps are never captured, so greedy steps take the shortcut.
+    sampler = engine._manager.logit_processor.logits_processor[-1]
+    assert sampler.step.graph_captured is False
