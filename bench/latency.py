@@ -95,11 +95,14 @@ def run_loaded(engine, chat_prompts, args) -> dict:
     worker.start()
     time.sleep(2.0)  # let the job fill the batch
     busy = engine.stats()
+    start = time.perf_counter()
     timings = chat_latencies(engine, chat_prompts, args.chat_tokens, tuple(args.think_ms))
+    seconds = time.perf_counter() - start
+    job_tokens = engine.stats().total_tokens - busy.total_tokens - len(chat_prompts) * args.chat_tokens
     rows_done_during_chats = len(finished)
     cancel.set()
     worker.join(timeout=120)
-    return {"timings": timings, "active_at_start": busy.active_requests,
+    return {"timings": timings, "active_at_start": busy.active_requests, "job_tok_s": job_tokens / seconds,
             "queued_at_start": busy.queued_requests, "job_rows_finished": rows_done_during_chats}
 
 
@@ -121,6 +124,8 @@ def main(argv=None) -> dict:
     loaded = run_loaded(engine, chat_prompts, args)
     figures = {**summarize("idle", idle), **summarize("loaded", loaded["timings"]),
                "loaded_active_requests": loaded["active_at_start"], "loaded_queued_rows": loaded["queued_at_start"],
+               "job_tok_s_during_chats": loaded["job_tok_s"],
+               "dataset_tokens_while_chatting": engine.backend.dataset_tokens_while_chatting,
                "max_batch_inflight": engine.backend.max_batch_inflight, "chats": args.chats,
                "think_ms": list(args.think_ms),
                "machine": machine_description(engine)}
@@ -145,6 +150,8 @@ def main(argv=None) -> dict:
         if f"ttft_{name}_p50_ms" in figures:
             print(f"{label:<28}" + "".join(f"{figures[f'{kind}_{name}_{q}_ms']:>10.1f}"
                                            for kind in ("ttft", "first_text", "itl") for q in ("p50", "p95")))
+    print(f"Dataset job during the chats: {figures['job_tok_s_during_chats']:.1f} tok/s (dataset tokens per step "
+          f"while a chat streams: {figures['dataset_tokens_while_chatting'] or 'no cap'})")
     print(f"First visible text loaded / idle = {figures['first_text_loaded_vs_idle']:.2f}")
     print(f"TTFT loaded / idle = {figures['ttft_loaded_vs_idle']:.2f}" +
           (f"; without admission control = {figures['ttft_unbounded_vs_idle']:.2f}"

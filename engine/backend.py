@@ -15,6 +15,8 @@ The rules (each decision carries its reason, logged at startup like `transformer
   else fp32; our per-request attention (engine.attention: no block-diagonal mask, measured 2.3-3.5x the stock
   path), explicit cache size and 256 batch tokens (the 8192 default can crash the loop); on glibc, malloc keeps
   the buffers each step frees (engine.allocator).
+- CPU, while a chat streams: dataset rows get at most an eighth of the step's tokens (engine.scheduler), since a
+  CPU step costs about its tokens.
 - An explicit `--attn-implementation` (or dtype, device) always wins.
 """
 
@@ -34,6 +36,7 @@ METAL_FLASH_KERNEL = "kernels-community/metal-flash-sdpa"
 PER_REQUEST_ATTENTION = "cbs_varlen_noflash"
 PER_REQUEST_ALIASES = ("cbs_varlen", PER_REQUEST_ATTENTION)
 GIB = 1024**3
+CPU_CHAT_CAP_DIVISOR = 8  # dataset tokens per step while a chat streams on CPU: the batch tokens / this
 
 
 @dataclass(frozen=True)
@@ -66,6 +69,7 @@ class BackendChoice:
     kv_cache_bytes: int | None  # None: size from free device memory after the model loads (CUDA)
     kv_cache_fraction: float  # share of free memory for the cache when kv_cache_bytes is None
     max_batch_inflight: int
+    dataset_tokens_while_chatting: int | None = None  # engine.scheduler's cap on dataset tokens while a chat streams
     tune_cpu_allocator: bool = False  # engine.allocator.keep_freed_buffers() at startup
     reasons: dict[str, str] = field(default_factory=dict)
 
@@ -164,12 +168,26 @@ def select_backend(config: EngineConfig, facts: DeviceFacts, checkpoint_dtype: s
     # every step for prefills, where a chat request goes first (engine.scheduler). Measured on CPU: 64 rows cost
     # ~15% throughput against 128 on a 96-request job (bench.throughput --max-batch-inflight).
     inflight = config.max_batch_inflight or max(16, max_batch_tokens // 4)
+    chat_cap, chat_cap_reason = _choose_chat_priority(config, device, max_batch_tokens)
     tune_allocator, allocator_reason = _choose_allocator_tuning(config, facts, device)
     reasons = {"device": device_reason, "dtype": dtype_reason, "attention": attention_reason, "kv_cache": cache_reason,
-               "allocator": allocator_reason}
+               "allocator": allocator_reason, "chat_priority": chat_cap_reason}
     return BackendChoice(device=device, dtype=dtype, attn_implementation=attention, page_size=page_size,
                          max_batch_tokens=max_batch_tokens, kv_cache_bytes=kv_bytes, kv_cache_fraction=0.5,
-                         max_batch_inflight=inflight, tune_cpu_allocator=tune_allocator, reasons=reasons)
+                         max_batch_inflight=inflight, dataset_tokens_while_chatting=chat_cap,
+                         tune_cpu_allocator=tune_allocator, reasons=reasons)
+
+
+def _choose_chat_priority(config: EngineConfig, device: str, max_batch_tokens: int) -> tuple[int | None, str]:
+    if config.dataset_tokens_while_chatting is not None:
+        return config.dataset_tokens_while_chatting, "asked for with --dataset-tokens-while-chatting"
+    if device == "cpu":
+        cap = max(8, max_batch_tokens // CPU_CHAT_CAP_DIVISOR)
+        # Qwen2.5-0.5B shape in bf16, 2 cores, bench.latency: chat 297 ms per token during a job with a cap of 32,
+        # 1,013 ms without (123-131 ms idle); the job made 13.6 instead of 27.9 tok/s while the chats streamed.
+        return cap, (f"CPU steps cost about their tokens: while a chat streams, dataset rows get at most {cap} "
+                     "tokens per step (measured: the chat 3.4x faster, the job half as fast only meanwhile)")
+    return None, "no cap: not measured on this device yet"
 
 
 def _choose_allocator_tuning(config: EngineConfig, facts: DeviceFacts, device: str) -> tuple[bool, str]:

@@ -106,6 +106,9 @@ class EngineConfig:
         max_new_tokens: default answer length when a request does not say.
         max_batch_inflight: dataset rows handed to the scheduler at once; the rest wait in the engine, so a chat
             request is admitted after at most this many rows. None = a quarter of max_batch_tokens.
+        dataset_tokens_while_chatting: while a chat streams, dataset rows get at most this many tokens of each step
+            (chat tokens go first), so the chat keeps its speed; None = per backend (an eighth of the batch
+            tokens on CPU, no cap elsewhere); the batch tokens value turns the cap off.
         use_cuda_graph: CUDA graphs for the forward step on CUDA; None lets transformers decide.
         cpu_allocator_tuning: on CPU with glibc, keep the buffers each step frees for the next step instead of
             returning them to the kernel (engine.allocator); None = on wherever it applies.
@@ -122,6 +125,7 @@ class EngineConfig:
     page_size: int | None = None
     max_new_tokens: int = 512
     max_batch_inflight: int | None = None
+    dataset_tokens_while_chatting: int | None = None
     use_cuda_graph: bool | None = None
     cpu_allocator_tuning: bool | None = None
     trust_remote_code: bool = False
@@ -142,6 +146,7 @@ class EngineConfig:
         _check_int("page_size", self.page_size, 4, 4096, allow_none=True)
         _check_int("max_new_tokens", self.max_new_tokens, 1)
         _check_int("max_batch_inflight", self.max_batch_inflight, 1, allow_none=True)
+        _check_int("dataset_tokens_while_chatting", self.dataset_tokens_while_chatting, 1, allow_none=True)
 
     def with_overrides(self, **changes) -> EngineConfig:
         return replace(self, **changes)
@@ -183,6 +188,9 @@ ENGINE_OPTIONS: tuple[_Option, ...] = (
             "Answer length when a request does not set one."),
     _Option("max_batch_inflight", "--max-batch-inflight", "MAX_BATCH_INFLIGHT", int,
             "Dataset rows handed to the scheduler at once; chat requests wait behind at most this many."),
+    _Option("dataset_tokens_while_chatting", "--dataset-tokens-while-chatting", "DATASET_TOKENS_WHILE_CHATTING", int,
+            "While a chat streams, dataset rows get at most this many tokens per step (auto: an eighth of the "
+            "batch tokens on CPU, no cap elsewhere)."),
     _Option("use_cuda_graph", "--cuda-graph", "CUDA_GRAPH", bool, "on/off: CUDA graphs (auto: transformers decides)."),
     _Option("cpu_allocator_tuning", "--cpu-allocator-tuning", "CPU_ALLOCATOR_TUNING", bool,
             "on/off: on CPU with glibc, reuse freed step buffers instead of page-faulting new ones (auto: on)."),

@@ -165,7 +165,7 @@ class Engine:
 
         from .paged_reads import install_paged_reads
         from .sampling import install_sampler
-        from .scheduler import register_scheduler
+        from .scheduler import InteractiveFirstScheduler, register_scheduler
 
         model = self.loaded.model
         generation_config = copy.deepcopy(model.generation_config)
@@ -201,6 +201,9 @@ class Engine:
             return self._build_manager()
         if model.config._attn_implementation == PER_REQUEST_ATTENTION:
             install_paged_reads(manager.batch_processor.cache)  # attention reads the cache, not CB's copy of it
+        scheduler = manager.batch_processor.scheduler
+        if isinstance(scheduler, InteractiveFirstScheduler):
+            scheduler.dataset_tokens_while_chatting = self.backend.dataset_tokens_while_chatting
         manager.start()
         self.attention_in_use = model.config._attn_implementation
         return manager

@@ -113,3 +113,11 @@ def test_cpu_runs_a_bf16_checkpoint_in_bf16_only_where_the_cpu_computes_bf16():
     emulated = select_backend(EngineConfig(), DeviceFacts(cpu_bf16=False), checkpoint_dtype="bfloat16")
     assert emulated.dtype == "float32" and "no native bf16" in emulated.reasons["dtype"]
     assert select_backend(EngineConfig(dtype="float32"), native, checkpoint_dtype="bfloat16").dtype == "float32"
+
+
+def test_dataset_rows_are_capped_while_a_chat_streams_on_cpu_only():
+    assert select_backend(EngineConfig(), DeviceFacts()).dataset_tokens_while_chatting == 256 // 8
+    assert select_backend(EngineConfig(max_batch_tokens=1024), DeviceFacts()).dataset_tokens_while_chatting == 128
+    assert select_backend(EngineConfig(), CUDA).dataset_tokens_while_chatting is None
+    asked = select_backend(EngineConfig(dataset_tokens_while_chatting=256), DeviceFacts())
+    assert asked.dataset_tokens_while_chatting == 256 and "asked for" in asked.reasons["chat_priority"]

@@ -52,3 +52,39 @@ def test_chat_during_a_job_and_the_job_both_complete(engine):
     job.join(timeout=120)
     assert chat.ok and chat.completion_tokens == 8
     assert len(results) == 40 and all(result.completion_tokens == 60 for _, result in results)
+
+
+def test_while_a_chat_streams_dataset_rows_get_at_most_the_cap(engine, monkeypatch):
+    """The engine's CPU default caps dataset tokens per step while a chat streams: every step holding the chat
+    gives the rows at most the cap, and the rows still progress in those steps."""
+    import threading
+
+    from engine.config import SamplingParams
+    from engine.engine import BatchRequest
+
+    cap = engine.backend.dataset_tokens_while_chatting
+    assert cap is not None and cap < engine.backend.max_batch_tokens  # the CPU default
+    scheduler = engine._manager.batch_processor.scheduler
+    steps: list[tuple[int, int]] = []  # (chat tokens, dataset tokens) of each step that holds a chat
+    schedule = scheduler.schedule_batch
+
+    def recording(*args, **kwargs):
+        scheduled, *rest = schedule(*args, **kwargs)
+        chat = sum(f.query_length for f in scheduled or () if f.state.request_id.startswith(INTERACTIVE_PREFIX))
+        if chat:
+            steps.append((chat, sum(f.query_length for f in scheduled) - chat))
+        return (scheduled, *rest)
+
+    monkeypatch.setattr(scheduler, "schedule_batch", recording)
+    rows = [BatchRequest(key=i, prompt=f"row {i} " + "the " * 60,
+                         params=SamplingParams(temperature=0.0, max_new_tokens=40, ignore_eos=True))
+            for i in range(48)]
+    results = []
+    job = threading.Thread(target=lambda: results.extend(engine.generate_many(rows)))
+    job.start()
+    chat = engine.generate(prompt="a chat while the job runs",
+                           params=SamplingParams(temperature=0.0, max_new_tokens=16, ignore_eos=True))
+    job.join(timeout=120)
+    assert chat.completion_tokens == 16 and len(results) == 48
+    assert steps and all(dataset <= cap for _, dataset in steps), steps
+    assert any(dataset > 0 for _, dataset in steps)  # the job is slowed down, not stopped
