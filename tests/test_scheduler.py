@@ -33,23 +33,29 @@ def test_registered_for_continuous_batching():
     assert SCHEDULER_MAPPING[SCHEDULER_NAME] is InteractiveFirstScheduler
 
 
-def test_chat_during_a_job_and_the_job_both_complete(engine):
-    """On the real engine, with the scheduler's chat-only steps: a chat sent while a dataset job decodes gets its
-    full answer, and every row of the job still gets all its tokens (the effect on latency is in bench.latency)."""
+def _chat_during_job(engine, rows: int, prompt_words: int, row_tokens: int, chat_tokens: int):
+    """Start a dataset job of `rows` rows, send one chat while it runs; return the chat's and the rows' results."""
     import threading
 
     from engine.config import SamplingParams
     from engine.engine import BatchRequest
 
-    rows = [BatchRequest(key=i, prompt=f"row {i} " + "the " * 40,
-                         params=SamplingParams(temperature=0.0, max_new_tokens=60, ignore_eos=True))
-            for i in range(40)]
+    requests = [BatchRequest(key=i, prompt=f"row {i} " + "the " * prompt_words,
+                             params=SamplingParams(temperature=0.0, max_new_tokens=row_tokens, ignore_eos=True))
+                for i in range(rows)]
     results = []
-    job = threading.Thread(target=lambda: results.extend(engine.generate_many(rows)))
+    job = threading.Thread(target=lambda: results.extend(engine.generate_many(requests)))
     job.start()
     chat = engine.generate(prompt="a chat while the job runs",
-                           params=SamplingParams(temperature=0.0, max_new_tokens=8, ignore_eos=True))
+                           params=SamplingParams(temperature=0.0, max_new_tokens=chat_tokens, ignore_eos=True))
     job.join(timeout=120)
+    return chat, results
+
+
+def test_chat_during_a_job_and_the_job_both_complete(engine):
+    """On the real engine, with the scheduler's chat-only steps: a chat sent while a dataset job decodes gets its
+    full answer, and every row of the job still gets all its tokens (the effect on latency is in bench.latency)."""
+    chat, results = _chat_during_job(engine, rows=40, prompt_words=40, row_tokens=60, chat_tokens=8)
     assert chat.ok and chat.completion_tokens == 8
     assert len(results) == 40 and all(result.completion_tokens == 60 for _, result in results)
 
@@ -57,11 +63,6 @@ def test_chat_during_a_job_and_the_job_both_complete(engine):
 def test_while_a_chat_streams_dataset_rows_get_at_most_the_cap(engine, monkeypatch):
     """The engine's CPU default caps dataset tokens per step while a chat streams: every step holding the chat
     gives the rows at most the cap, and the rows still progress in those steps."""
-    import threading
-
-    from engine.config import SamplingParams
-    from engine.engine import BatchRequest
-
     cap = engine.backend.dataset_tokens_while_chatting
     assert cap is not None and cap < engine.backend.max_batch_tokens  # the CPU default
     scheduler = engine._manager.batch_processor.scheduler
@@ -76,15 +77,7 @@ def test_while_a_chat_streams_dataset_rows_get_at_most_the_cap(engine, monkeypat
         return (scheduled, *rest)
 
     monkeypatch.setattr(scheduler, "schedule_batch", recording)
-    rows = [BatchRequest(key=i, prompt=f"row {i} " + "the " * 60,
-                         params=SamplingParams(temperature=0.0, max_new_tokens=40, ignore_eos=True))
-            for i in range(48)]
-    results = []
-    job = threading.Thread(target=lambda: results.extend(engine.generate_many(rows)))
-    job.start()
-    chat = engine.generate(prompt="a chat while the job runs",
-                           params=SamplingParams(temperature=0.0, max_new_tokens=16, ignore_eos=True))
-    job.join(timeout=120)
+    chat, results = _chat_during_job(engine, rows=48, prompt_words=60, row_tokens=40, chat_tokens=16)
     assert chat.completion_tokens == 16 and len(results) == 48
     assert steps and all(dataset <= cap for _, dataset in steps), steps
     assert any(dataset > 0 for _, dataset in steps)  # the job is slowed down, not stopped
