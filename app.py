@@ -45,12 +45,21 @@ UI_ONLY = {"api_visibility": "undocumented"}  # page events; the API is /chat an
 
 
 def _text_of(content) -> str:
-    """Chatbot message content (a string, or Gradio 6's list of text blocks) as plain text."""
+    """Chatbot message content (a string, a text block, or Gradio 6's list of text blocks) as plain text."""
     if isinstance(content, str):
         return content
+    if isinstance(content, dict):
+        content = [content]
     if isinstance(content, list):
         return "".join(part.get("text", "") for part in content if isinstance(part, dict))
     return ""
+
+
+def _text_block(text: str) -> dict:
+    """Message content as a text block, not a bare string: Gradio's Chatbot runs a string through
+    `inspect.cleandoc` (dedenting code, expanding tabs, dropping leading blank lines), and the conversation sent
+    back to the model on the next turn would be that altered text. A text block is shown and returned as is."""
+    return {"type": "text", "text": text}
 
 
 def _message_of(error: Exception) -> str:
@@ -132,7 +141,7 @@ class ChatHandlers:
             # badge would cover the whole conversation. The message stays; older turns are dropped to fit next time.
             problem = _message_of(error)
             gr.Warning(problem)
-            yield [*history, {"role": "assistant", "content": problem,
+            yield [*history, {"role": "assistant", "content": _text_block(problem),
                               "metadata": {"title": "⚠️ Not answered", "status": "done"}}]
             return
         current.stream = stream
@@ -141,20 +150,23 @@ class ChatHandlers:
         history = list(history)
         reasoning: dict | None = None
         answer: dict | None = None
+        reasoning_text = answer_text = ""
         started = time.monotonic()
         try:
             for delta in stream:
                 if delta.channel == "reasoning":
                     if reasoning is None:
-                        reasoning = {"role": "assistant", "content": "",
+                        reasoning = {"role": "assistant", "content": _text_block(""),
                                      "metadata": {"title": REASONING_TITLE, "status": "pending"}}
                         history.append(reasoning)
-                    reasoning["content"] += delta.text
+                    reasoning_text += delta.text
+                    reasoning["content"] = _text_block(reasoning_text)
                 else:
                     if answer is None:
-                        answer = {"role": "assistant", "content": ""}
+                        answer = {"role": "assistant", "content": _text_block("")}
                         history.append(answer)
-                    answer["content"] += delta.text
+                    answer_text += delta.text
+                    answer["content"] = _text_block(answer_text)
                 if current.cleared:
                     break
                 yield history
@@ -168,10 +180,10 @@ class ChatHandlers:
             reasoning["metadata"] = {"title": REASONING_TITLE, "status": "done",
                                      "duration": round(time.monotonic() - started, 1)}
         if answer is None:
-            answer = {"role": "assistant", "content": ""}
+            answer = {"role": "assistant", "content": _text_block("")}
             history.append(answer)
         if result is not None and result.finish_reason == "error":
-            answer["content"] += f"\n\n⚠️ {result.error}"
+            answer["content"] = _text_block(f"{answer_text}\n\n⚠️ {result.error}")
         for notice in result.notices if result is not None else ():
             gr.Info(notice)
         yield history
@@ -199,7 +211,7 @@ class ChatHandlers:
         if not (message or "").strip():
             gr.Warning("Type a message first.")
             return gr.update(), gr.update()
-        return "", [*(history or []), {"role": "user", "content": message}]
+        return "", [*(history or []), {"role": "user", "content": _text_block(message)}]
 
     @staticmethod
     def drop_last_answer(history):
