@@ -141,6 +141,14 @@ class _DecodeGroup:
     q_index: torch.Tensor | None  # [rows] query positions; None when they are 0..rows-1
     k_index: torch.Tensor  # [rows * longest] key positions, padded with the row's first key
     mask: torch.Tensor  # [rows, 1, 1, longest] bool, True = attend
+    _cache_index: tuple[torch.Tensor, torch.Tensor] | None = None  # (read index, k_index mapped through it)
+
+    def cache_index(self, read_index: torch.Tensor) -> torch.Tensor:
+        """k_index as positions in the paged cache. Every full-attention layer of a step passes the same read index,
+        so this is composed once per step, not once per layer."""
+        if self._cache_index is None or self._cache_index[0] is not read_index:
+            self._cache_index = (read_index, read_index.index_select(0, self.k_index))
+        return self._cache_index[1]
 
 
 @dataclass
@@ -329,7 +337,7 @@ def _padded_decode(group: _DecodeGroup, q_tokens: torch.Tensor, k_tokens: torch.
     the copy reads it directly (engine.paged_reads). Returns [rows, heads, dim]."""
     rows, longest = group.rows, group.longest
     q_rows = q_tokens[:rows] if group.q_index is None else q_tokens.index_select(0, group.q_index)
-    k_index = group.k_index if read_index is None else read_index.index_select(0, group.k_index)
+    k_index = group.k_index if read_index is None else group.cache_index(read_index)
     k_rows = k_tokens.index_select(0, k_index).view(rows, longest, k_tokens.shape[1], k_tokens.shape[2])
     v_rows = v_tokens.index_select(0, k_index).view(rows, longest, v_tokens.shape[1], v_tokens.shape[2])
     return torch.nn.functional.scaled_dot_product_attention(
