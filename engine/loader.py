@@ -33,7 +33,14 @@ class Checkpoint:
 
     source: str  # the folder or Hub id to load (the tiny-random alias resolved to its folder)
     hub_kwargs: dict  # revision, trust_remote_code, and local_files_only when the Hub is unreachable
-    dtype: str | None  # the dtype the checkpoint's config declares ("bfloat16", ...), None when it says nothing
+    config: object  # the model's config, read once and handed to from_pretrained
+
+    @property
+    def dtype(self) -> str | None:
+        """The dtype the checkpoint's config declares ("bfloat16", ...), None when it says nothing. Read it before
+        `load_model`, which hands this config to the model (from then on it holds the dtype loaded)."""
+        declared = getattr(self.config.get_text_config(), "dtype", None) or getattr(self.config, "dtype", None)
+        return str(declared).removeprefix("torch.") if declared is not None else None
 
 
 @dataclass
@@ -96,9 +103,7 @@ def inspect_checkpoint(config: EngineConfig) -> Checkpoint:
         model_config = AutoConfig.from_pretrained(source, **common)
     except (OSError, ValueError) as error:
         raise ModelLoadError(_explain(config.model_id, error)) from error
-    declared = getattr(model_config.get_text_config(), "dtype", None) or getattr(model_config, "dtype", None)
-    return Checkpoint(source=source, hub_kwargs=common,
-                      dtype=str(declared).removeprefix("torch.") if declared is not None else None)
+    return Checkpoint(source=source, hub_kwargs=common, config=model_config)
 
 
 def load_model(config: EngineConfig, backend: BackendChoice, checkpoint: Checkpoint) -> LoadedModel:
@@ -117,8 +122,8 @@ def load_model(config: EngineConfig, backend: BackendChoice, checkpoint: Checkpo
     try:
         tokenizer = AutoTokenizer.from_pretrained(source, **common)
         model = AutoModelForCausalLM.from_pretrained(
-            source, dtype=getattr(torch, _DTYPES[backend.dtype]), device_map=backend.device,
-            attn_implementation=attn, **common)
+            source, config=checkpoint.config, dtype=getattr(torch, _DTYPES[backend.dtype]),
+            device_map=backend.device, attn_implementation=attn, **common)
     except (OSError, ValueError) as error:
         if os.path.isdir(source) or "attn_implementation" in str(error) or "attention" in str(error).lower():
             raise ModelLoadError(f"Could not load model {config.model_id!r} with attention {attn!r}: {error}") from error
