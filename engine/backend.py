@@ -234,5 +234,11 @@ def probe_device_facts() -> DeviceFacts:
         kernels_usable=bool(import_utils.is_kernels_available()),
         ram_available_bytes=ram_available,
         glibc=glibc_available(),
-        cpu_bf16=bool(torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()),
+        cpu_bf16=_cpu_computes_bf16(torch),
     )
+
+
+def _cpu_computes_bf16(torch) -> bool:
+    """AVX512-BF16 or AMX, from torch's own CPU probes (private: absent ones count as no, never as a crash)."""
+    probes = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
+    return any(getattr(torch.cpu, name, lambda: False)() for name in probes)
