@@ -142,24 +142,24 @@ def _set_slider(page, elem_id: str, value) -> None:
     expect(slider).to_have_value(str(value))
 
 
-def _chat_settings(page, *, temperature=None, max_new_tokens=None, thinking=None) -> None:
-    if not page.locator("#chat-temperature").is_visible():
-        page.locator("#chat-settings").get_by_text("Settings", exact=True).click()
+def _settings(page, tab: str, accordion: str, *, temperature=None, max_new_tokens=None) -> None:
+    """Open a tab's settings accordion if closed, then set its temperature / max-new-tokens sliders."""
+    if not page.locator(f"#{tab}-temperature").is_visible():
+        page.locator(f"#{tab}-settings").get_by_text(accordion, exact=True).click()
     if temperature is not None:
-        _set_slider(page, "chat-temperature", temperature)
+        _set_slider(page, f"{tab}-temperature", temperature)
     if max_new_tokens is not None:
-        _set_slider(page, "chat-max-tokens", max_new_tokens)
+        _set_slider(page, f"{tab}-max-tokens", max_new_tokens)
+
+
+def _chat_settings(page, *, temperature=None, max_new_tokens=None, thinking=None) -> None:
+    _settings(page, "chat", "Settings", temperature=temperature, max_new_tokens=max_new_tokens)
     if thinking is not None:
         page.locator("#chat-thinking input").set_checked(thinking)
 
 
 def _dataset_settings(page, *, temperature=None, max_new_tokens=None) -> None:
-    if not page.locator("#dataset-temperature").is_visible():
-        page.locator("#dataset-settings").get_by_text("Generation settings", exact=True).click()
-    if temperature is not None:
-        _set_slider(page, "dataset-temperature", temperature)
-    if max_new_tokens is not None:
-        _set_slider(page, "dataset-max-tokens", max_new_tokens)
+    _settings(page, "dataset", "Generation settings", temperature=temperature, max_new_tokens=max_new_tokens)
 
 
 def _bot_texts(page) -> list[str]:

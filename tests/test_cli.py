@@ -305,46 +305,45 @@ def _check_complete_output(output: Path, checkpoint: Path, expected: list[str]) 
     assert rows == list(range(ROWS))  # no row was generated twice: the resumed ones were reused
 
 
-def test_resume_after_sigkill(long_job, tiny_model_path, tmp_path, start_cli):
+def _interrupt_mid_job(long_job, tiny_model_path, tmp_path, start_cli, signal_number: int):
+    """Start the long job, send `signal_number` once rows are in the checkpoint; return what a test checks next."""
     data, expected = long_job
     output = tmp_path / "answers.csv"
     checkpoint = tmp_path / "answers.csv.cbs-checkpoint.jsonl"
     command = _command(tiny_model_path, data, output)
-
     process = start_cli(command, tmp_path)
     _wait_for_records(process, checkpoint, tmp_path)
-    process.send_signal(signal.SIGKILL)
-    assert process.wait(timeout=30) == -signal.SIGKILL
-    survived = {record["row"] for record in _valid_records(checkpoint)}
-    assert 1 <= len(survived) < ROWS, "the kill must land mid-job for this test to mean anything"
-    assert not output.exists()
+    process.send_signal(signal_number)
+    return process, data, expected, output, checkpoint, command
 
+
+def _resume_and_check(command, output: Path, checkpoint: Path, expected: list[str]) -> None:
+    """The rows saved before the interruption are left mid-job, the output is not written yet, and rerunning the
+    same command reuses them and completes the output."""
+    saved = {record["row"] for record in _valid_records(checkpoint)}
+    assert 1 <= len(saved) < ROWS, "the interruption must land mid-job for this test to mean anything"
+    assert not output.exists()
     rerun = _finish(command)
-    assert f"Resumed {len(survived)} of {ROWS} rows" in rerun.stdout
+    assert f"Resumed {len(saved)} of {ROWS} rows" in rerun.stdout
     _check_complete_output(output, checkpoint, expected)
 
 
-def test_ctrl_c_exits_130_and_says_how_to_resume(long_job, tiny_model_path, tmp_path, start_cli):
-    data, expected = long_job
-    output = tmp_path / "answers.csv"
-    checkpoint = tmp_path / "answers.csv.cbs-checkpoint.jsonl"
-    command = _command(tiny_model_path, data, output)
+def test_resume_after_sigkill(long_job, tiny_model_path, tmp_path, start_cli):
+    process, _, expected, output, checkpoint, command = _interrupt_mid_job(
+        long_job, tiny_model_path, tmp_path, start_cli, signal.SIGKILL)
+    assert process.wait(timeout=30) == -signal.SIGKILL
+    _resume_and_check(command, output, checkpoint, expected)
 
-    process = start_cli(command, tmp_path)
-    _wait_for_records(process, checkpoint, tmp_path)
-    process.send_signal(signal.SIGINT)
+
+def test_ctrl_c_exits_130_and_says_how_to_resume(long_job, tiny_model_path, tmp_path, start_cli):
+    process, data, expected, output, checkpoint, command = _interrupt_mid_job(
+        long_job, tiny_model_path, tmp_path, start_cli, signal.SIGINT)
     assert process.wait(timeout=60) == 130
     stderr = (tmp_path / "stderr").read_text()
     assert "Interrupted. Finished rows are saved in" in stderr and str(checkpoint) in stderr
     assert "run the same command again to resume" in stderr
     assert f"python -m engine.cli {data} {output} --model-id" in stderr  # the command to rerun
-    saved = {record["row"] for record in _valid_records(checkpoint)}
-    assert 1 <= len(saved) < ROWS
-    assert not output.exists()
-
-    rerun = _finish(command)
-    assert f"Resumed {len(saved)} of {ROWS} rows" in rerun.stdout
-    _check_complete_output(output, checkpoint, expected)
+    _resume_and_check(command, output, checkpoint, expected)
 
 
 def test_interrupt_outside_generation_exits_130(monkeypatch, tmp_path, caplog):
